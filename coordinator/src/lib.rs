@@ -1,0 +1,1 @@
+//! pagewire-coordinator: work in progress (see the open issue for this crate).

@@ -1,0 +1,1 @@
+//! pagewire-node: the lockless local page cache (in progress).

@@ -1,0 +1,1 @@
+//! pagewire-proto: work in progress (see the open issue for this crate).

@@ -1,0 +1,1 @@
+//! pagewire-rdma: work in progress (see the open issue for this crate).
