@@ -167,6 +167,23 @@ impl Index for Lockless {
         }
     }
 
+    /// Gang insertion: prefetch every bucket of the run first so their cache
+    /// misses overlap, then lock and fill each bucket in turn.
+    fn insert_run(
+        &self,
+        frames: &FrameTable,
+        first: u64,
+        run: &[(u32, u64)],
+        done: &mut dyn FnMut(usize, Inserted),
+    ) {
+        for i in 0..run.len() {
+            RawIndex::prefetch(frames, first + i as u64);
+        }
+        for (i, &(f, g)) in run.iter().enumerate() {
+            done(i, self.insert(frames, first + i as u64, f, g));
+        }
+    }
+
     fn replace(
         &self,
         frames: &FrameTable,
@@ -438,5 +455,46 @@ impl Index for Sharded {
 
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         read(self.shard(page)).get(&page).copied()
+    }
+}
+
+/// An index over a frame table with no backing file and no page bytes: the
+/// index operations alone, for benchmarks (the seed's insertion test) and
+/// tests. Entries point at frames that are never published.
+#[cfg(not(loom))]
+pub struct Standalone<I: Index> {
+    frames: Frames,
+    index: I,
+}
+
+#[cfg(not(loom))]
+impl<I: Index> Standalone<I> {
+    /// An empty index sized for `frames` entries (pages of 512 bytes; the
+    /// arena is reserved, never touched).
+    pub fn new(frames: usize) -> std::io::Result<Self> {
+        let layout = crate::layout::RegionLayout::new(512, frames);
+        let frames = Frames::new(crate::raw::region::Region::new(layout, 0, 0)?);
+        let index = I::create(&frames);
+        Ok(Self { frames, index })
+    }
+
+    /// Insert one entry `page → frame` (generation 1).
+    pub fn insert(&self, page: u64, frame: u32) -> Inserted {
+        self.index.insert(&self.frames, page, frame, 1)
+    }
+
+    /// Gang-insert `page + i → frames[i]`; returns how many went in.
+    pub fn insert_run(&self, first: u64, run: &[(u32, u64)]) -> usize {
+        let mut n = 0;
+        self.index
+            .insert_run(&self.frames, first, run, &mut |_, r| {
+                n += usize::from(r == Inserted::Yes)
+            });
+        n
+    }
+
+    /// The frame indexed for `page`.
+    pub fn frame_of(&self, page: u64) -> Option<u32> {
+        self.index.peek(&self.frames, page).map(|(f, _)| f)
     }
 }
