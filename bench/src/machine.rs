@@ -29,7 +29,8 @@ pub fn describe() -> Machine {
         cores: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
-        memory_bytes: topo.nodes.iter().map(|n| n.memory_bytes).sum(),
+        memory_bytes: mem_total()
+            .unwrap_or_else(|| topo.nodes.iter().map(|n| n.memory_bytes).sum()),
         numa_nodes: topo.nodes.len(),
         numa_source: topo.source,
         cpu,
@@ -50,4 +51,17 @@ impl std::fmt::Display for Machine {
             self.kernel
         )
     }
+}
+
+/// MemTotal from /proc/meminfo, in bytes.
+fn mem_total() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }
