@@ -113,6 +113,9 @@ pub struct Row {
     pub workload: &'static str,
     pub ops_per_sec: f64,
     pub ns_per_op: f64,
+    /// Sum over threads of ops per CPU-second the thread ran: what the
+    /// throughput would be had no other process taken the cores.
+    pub ops_per_cpu_sec: f64,
     /// Every repeat's ops/s, for spread.
     pub runs: Vec<f64>,
 }
@@ -245,7 +248,7 @@ fn open_cache<I: Index>(
 
 /// (target, mode, workload, threads) -> (ops/s, ns/op) of each repeat.
 type Samples =
-    std::collections::BTreeMap<(usize, &'static str, &'static str, usize), Vec<(f64, f64)>>;
+    std::collections::BTreeMap<(usize, &'static str, &'static str, usize), Vec<(f64, f64, f64)>>;
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut a = a.clone();
@@ -301,9 +304,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 for (ti, t) in targets.iter().enumerate() {
                     for &m in t.modes() {
                         let runs = t.measure(w, n, m, &a)?;
-                        raw.entry((ti, m.name(), w.name(), n))
-                            .or_default()
-                            .push(workers::rates(&runs));
+                        let (ops, ns) = workers::rates(&runs);
+                        raw.entry((ti, m.name(), w.name(), n)).or_default().push((
+                            ops,
+                            ns,
+                            workers::cpu_rate(&runs),
+                        ));
                     }
                 }
             }
@@ -318,6 +324,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             workload,
             ops_per_sec: median(v.iter().map(|x| x.0).collect()),
             ns_per_op: median(v.iter().map(|x| x.1).collect()),
+            ops_per_cpu_sec: median(v.iter().map(|x| x.2).collect()),
             runs: v.iter().map(|x| x.0).collect(),
         })
         .collect();

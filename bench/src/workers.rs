@@ -8,7 +8,30 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug)]
 pub struct ThreadRun {
     pub ops: u64,
+    /// Wall-clock seconds of the thread's loop.
     pub secs: f64,
+    /// CPU seconds the thread actually ran (less than `secs` when other
+    /// processes took its core: the figure that survives a noisy machine).
+    pub cpu_secs: f64,
+}
+
+/// This thread's CPU time in seconds.
+pub fn thread_cpu_secs() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant
+    // Linux supports for the calling thread.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Total ops per CPU-second (sum over threads of ops / CPU time).
+pub fn cpu_rate(runs: &[ThreadRun]) -> f64 {
+    runs.iter()
+        .map(|r| r.ops as f64 / r.cpu_secs.max(1e-9))
+        .sum()
 }
 
 /// The sum over threads of ops/s, and the mean per-thread ns/op.
@@ -49,6 +72,7 @@ where
                     let mut op = make(t);
                     start.wait();
                     let t0 = Instant::now();
+                    let c0 = thread_cpu_secs();
                     let mut ops = 0u64;
                     while !stop.load(Ordering::Relaxed) {
                         for _ in 0..64 {
@@ -59,6 +83,7 @@ where
                     Ok(ThreadRun {
                         ops,
                         secs: t0.elapsed().as_secs_f64(),
+                        cpu_secs: thread_cpu_secs() - c0,
                     })
                 })
             })

@@ -139,6 +139,23 @@ pub trait Index: Send + Sync + 'static {
     /// The frame indexed for `page`, without taking a reference.
     #[doc(hidden)]
     fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)>;
+
+    /// Fault in the index's memory for `entries` entries, as the lockless
+    /// region's metadata is at creation (for benchmarks that compare
+    /// insertion on warm memory).
+    #[doc(hidden)]
+    fn prewarm(&self, entries: u64) {
+        let _ = entries;
+    }
+}
+
+/// Fill a map with `entries` keys and clear it: capacity and touched memory
+/// stay, so later inserts do not pay first-touch page faults.
+fn prewarm_map(map: &mut Map, entries: u64) {
+    for p in 0..entries {
+        map.insert(p, (0, 0));
+    }
+    map.clear();
 }
 
 /// The lockless index (the default).
@@ -334,6 +351,10 @@ impl Index for RwLocked {
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         read(&self.0).get(&page).copied()
     }
+
+    fn prewarm(&self, entries: u64) {
+        prewarm_map(&mut write(&self.0), entries);
+    }
 }
 
 /// One tree under one mutex (the spinlock before `tree_lock`).
@@ -391,6 +412,10 @@ impl Index for Mutexed {
 
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         crate::sync::lock(&self.0).get(&page).copied()
+    }
+
+    fn prewarm(&self, entries: u64) {
+        prewarm_map(&mut crate::sync::lock(&self.0), entries);
     }
 }
 
@@ -456,6 +481,20 @@ impl Index for Sharded {
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         read(self.shard(page)).get(&page).copied()
     }
+
+    fn prewarm(&self, entries: u64) {
+        let mut keys: Vec<Vec<u64>> = vec![Vec::new(); SHARDS];
+        for p in 0..entries {
+            keys[crate::layout::bucket_of(p, SHARDS as u64) as usize].push(p);
+        }
+        for (shard, keys) in self.0.iter().zip(keys) {
+            let mut map = write(shard);
+            for p in keys {
+                map.insert(p, (0, 0));
+            }
+            map.clear();
+        }
+    }
 }
 
 /// An index over a frame table with no backing file and no page bytes: the
@@ -470,12 +509,19 @@ pub struct Standalone<I: Index> {
 #[cfg(not(loom))]
 impl<I: Index> Standalone<I> {
     /// An empty index sized for `frames` entries (pages of 512 bytes; the
-    /// arena is reserved, never touched).
+    /// arena is reserved, never touched). Its memory is warm: the lockless
+    /// region's metadata is faulted in at creation (as for every cache), and
+    /// the hash maps of the lock-based variants are filled and cleared once,
+    /// so insertion is compared on warm memory for every variant.
     pub fn new(frames: usize) -> std::io::Result<Self> {
         let layout = crate::layout::RegionLayout::new(512, frames);
-        let frames = Frames::new(crate::raw::region::Region::new(layout, 0, 0)?);
-        let index = I::create(&frames);
-        Ok(Self { frames, index })
+        let frames_table = Frames::new(crate::raw::region::Region::new(layout, 0, 0)?);
+        let index = I::create(&frames_table);
+        index.prewarm(frames as u64);
+        Ok(Self {
+            frames: frames_table,
+            index,
+        })
     }
 
     /// Insert one entry `page → frame` (generation 1).
