@@ -34,8 +34,9 @@
 //!
 //! A page `p` lives in bucket [`bucket_of`]`(p, bucket_count)` or in the
 //! overflow chain hanging from it: with `n = bucket_count >= 16`, bucket
-//! `fib(p / 8, n / 8) * 8 + p % 8`, where `fib(x, m) = (x * 0x9E3779B97F4A7C15)
-//! >> (64 - log2 m)` (wrapping multiply); with fewer buckets, `fib(p, n)`. A frame's generation is its incarnation:
+//! `fib(p / 8, n / 8) * 8 + p % 8`, where
+//! `fib(x, m) = (x * 0x9E3779B97F4A7C15) >> (64 - log2 m)` (wrapping
+//! multiply); with fewer buckets, `fib(p, n)`. A frame's generation is its incarnation:
 //! it grows by one each time the frame is published again, so `(page,
 //! generation)` names one immutable content. The checksum is xxh3-64 over
 //! the 24-byte header prefix (page, generation, length; length as u64) followed
