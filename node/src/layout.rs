@@ -267,6 +267,41 @@ impl RegionLayout {
     }
 }
 
+/// A bucket decoded from raw bytes (as a remote reader copies it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawBucket {
+    pub ctrl: u64,
+    /// (key, val) of each slot.
+    pub slots: [(u64, u64); SLOTS_PER_BUCKET],
+}
+
+impl RawBucket {
+    /// Decode one 64-byte bucket; `None` if `bytes` is shorter.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let u64_at = |o: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(bytes.get(o..o + 8)?.try_into().ok()?))
+        };
+        let mut slots = [(0, 0); SLOTS_PER_BUCKET];
+        for (i, s) in slots.iter_mut().enumerate() {
+            *s = (u64_at(slot_offset(i))?, u64_at(slot_offset(i) + 8)?);
+        }
+        Some(Self {
+            ctrl: u64_at(0)?,
+            slots,
+        })
+    }
+
+    /// The slot value for `page` in this bucket, if present.
+    pub fn find(&self, page: u64) -> Option<u64> {
+        self.slots.iter().find(|s| s.0 == key_of(page)).map(|s| s.1)
+    }
+
+    /// The overflow bucket this one chains to.
+    pub fn next(&self) -> Option<u32> {
+        ctrl::next(self.ctrl)
+    }
+}
+
 /// A frame header decoded from raw bytes (as a remote reader copies it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawHeader {

@@ -268,6 +268,7 @@ fn direct_io_reads_verify() {
 #[test]
 fn region_is_self_describing() {
     use pagewire_node::layout::{self, RawHeader};
+    assert_eq!(layout::LINE, 64);
     let (_d, path) = file(8, 0);
     let c = PageCache::open(&path, cfg(8)).unwrap();
     let g = c.get(6).unwrap();
@@ -281,12 +282,10 @@ fn region_is_self_describing() {
     let l = view.layout;
     // Find the page through the raw bucket bytes, as a remote reader would.
     let b = l.bucket(layout::bucket_of(6, l.bucket_count as u64) as usize);
-    let slot = (0..layout::SLOTS_PER_BUCKET)
-        .map(|i| b + layout::slot_offset(i))
-        .find(|&o| u64::from_le_bytes(raw[o..o + 8].try_into().unwrap()) == layout::key_of(6))
-        .expect("page 6 in its bucket");
-    let val = u64::from_le_bytes(raw[slot + 8..slot + 16].try_into().unwrap());
+    let bucket = layout::RawBucket::decode(&raw[b..b + layout::LINE]).unwrap();
+    let val = bucket.find(6).expect("page 6 in its head bucket");
     assert_eq!(layout::val_frame(val), frame);
+    assert_eq!(layout::val_gen32(val), generation as u32);
     let h = RawHeader::decode(&raw[l.header(frame as usize)..]).unwrap();
     let bytes = &raw[l.frame(frame as usize)..l.frame(frame as usize) + PS];
     assert!(h.validates(6, generation, bytes));
@@ -322,4 +321,61 @@ fn numa_topology_and_placement() {
     assert!(how.contains("without feature"), "{how}");
     pattern::verify(1, &c.get(1).unwrap()).unwrap();
     pagewire_node::numa::pin_current_thread(topo.cpus()[0]).unwrap();
+}
+
+#[test]
+fn overflow_chains_are_readable_from_raw_bytes() {
+    use pagewire_node::layout::{self, RawBucket};
+    let (_d, path) = file(4096, 0);
+    let c = PageCache::open(
+        &path,
+        CacheConfig {
+            readahead_max: 0,
+            ..cfg(16)
+        },
+    )
+    .unwrap();
+    let l = c.region().layout;
+    let n = l.bucket_count as u64;
+    // Six pages of one chain: three fill the head bucket, three overflow.
+    let chain: Vec<u64> = (0..4096u64)
+        .filter(|&p| layout::bucket_of(p, n) == 0)
+        .take(6)
+        .collect();
+    assert_eq!(chain.len(), 6);
+    let held: Vec<_> = chain.iter().map(|&p| c.get(p).unwrap()).collect();
+    let view = c.region();
+    // SAFETY: the region is live while `c` is, and this thread is the only
+    // one touching the cache.
+    let raw = unsafe { std::slice::from_raw_parts(view.addr, view.len) };
+    for (&p, g) in chain.iter().zip(&held) {
+        let mut b = RawBucket::decode(&raw[l.bucket(0)..]).unwrap();
+        let mut hops = 0;
+        let val = loop {
+            if let Some(v) = b.find(p) {
+                break v;
+            }
+            let o = b.next().expect("page in the chain") as usize;
+            b = RawBucket::decode(&raw[l.overflow(o)..]).unwrap();
+            hops += 1;
+        };
+        assert_eq!(layout::val_frame(val), g.frame());
+        assert!(hops <= 2);
+        pattern::verify(p, g).unwrap();
+    }
+    drop(held);
+    // Evicting empties the overflow buckets; lookups still work afterwards.
+    for &p in &chain {
+        assert_eq!(c.evict(p), Evicted::Yes);
+    }
+    assert!(
+        RawBucket::decode(&raw[l.bucket(0)..])
+            .unwrap()
+            .next()
+            .is_none(),
+        "empty overflow buckets are unlinked"
+    );
+    for &p in &chain {
+        pattern::verify(p, &c.get(p).unwrap()).unwrap();
+    }
 }
