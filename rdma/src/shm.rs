@@ -380,6 +380,8 @@ pub struct ShmConnection {
     name: String,
     ctl: Mmap,
     maps: HashMap<u32, Mmap>,
+    /// The last region read: (rkey, header address); skips the map lookup.
+    last: Option<(u32, *const u8)>,
     ready: Vec<Completion>,
     chaos: Option<Chaos>,
     lost: bool,
@@ -410,6 +412,7 @@ impl ShmConnection {
             name: name.to_owned(),
             ctl: ctl.map,
             maps: HashMap::new(),
+            last: None,
             ready: Vec::new(),
             chaos: config.chaos,
             lost: false,
@@ -465,11 +468,19 @@ impl ShmConnection {
             return Err(ReadError::ConnectionLost);
         }
         let chaos = self.chaos;
-        let map = self
-            .map_region(r.region.rkey)
-            .map_err(ReadError::RemoteAccess)?;
-        let base = map.as_ptr();
-        // SAFETY: `map` was checked to be at least one page. Acquire on the
+        let base = match self.last {
+            Some((k, base)) if k == r.region.rkey => base,
+            _ => {
+                let map = self
+                    .map_region(r.region.rkey)
+                    .map_err(ReadError::RemoteAccess)?;
+                let base = map.as_ptr();
+                self.last = Some((r.region.rkey, base));
+                base
+            }
+        };
+        // SAFETY: `base` is a mapping in `self.maps` (never removed), checked
+        // to be at least one page when mapped. Acquire on the
         // state pairs with the Release store in `ShmRegion::drop`.
         let (state, epoch, len, addr) = unsafe {
             (
@@ -509,6 +520,10 @@ impl ShmConnection {
         Ok(())
     }
 }
+
+// SAFETY: the raw pointer in `last` points into a mapping owned by `maps`,
+// which moves with the connection; nothing is thread-bound.
+unsafe impl Send for ShmConnection {}
 
 // SAFETY: `post_reads` completes every READ before it returns (the copy is
 // made there) and queues exactly one completion per request; buffers are never
