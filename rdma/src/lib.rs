@@ -41,6 +41,8 @@ mod error;
 mod handshake;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 #[cfg(feature = "tokio")]
 mod async_conn;
