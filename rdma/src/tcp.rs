@@ -792,3 +792,79 @@ unsafe impl Connection for TcpConnection {
         Some(self.stream.as_raw_fd())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(op: u8, len: u32, id: u64, addr: u64, rkey: u32, epoch: u64) -> Vec<u8> {
+        let mut b = vec![op, 0, 0, 0];
+        b.extend_from_slice(&len.to_le_bytes());
+        b.extend_from_slice(&id.to_le_bytes());
+        b.extend_from_slice(&addr.to_le_bytes());
+        b.extend_from_slice(&rkey.to_le_bytes());
+        b.extend_from_slice(&[0; 4]);
+        b.extend_from_slice(&epoch.to_le_bytes());
+        assert_eq!(b.len(), REQUEST_LEN);
+        b
+    }
+
+    fn response(s: &mut TcpStream) -> (u8, u64, Vec<u8>) {
+        let mut h = [0u8; RESPONSE_HEADER_LEN];
+        s.read_exact(&mut h).expect("header");
+        let len = u32::from_le_bytes(h[4..8].try_into().expect("4")) as usize;
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body).expect("payload");
+        (
+            h[0],
+            u64::from_le_bytes(h[8..16].try_into().expect("8")),
+            body,
+        )
+    }
+
+    /// Malformed requests on the wire get error replies, in order, and the
+    /// connection keeps serving; a request split across writes is served.
+    #[test]
+    fn malformed_requests_get_error_replies() {
+        let mut config = ResponderConfig::new(b"t".to_vec());
+        config.max_read_len = 1 << 16;
+        let resp = TcpResponder::bind("127.0.0.1:0", config).expect("bind");
+        let r = resp.register(8192).expect("register");
+        r.write_bytes(0, &(0..=255u8).cycle().take(8192).collect::<Vec<_>>());
+        let d = r.descriptor();
+        let mut s = TcpStream::connect(resp.local_addr()).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        handshake::client(&mut s, MAGIC, b"t").expect("handshake");
+        let mut batch = Vec::new();
+        batch.extend(request(9, 16, 1, d.addr, d.rkey, d.epoch)); // unknown opcode
+        batch.extend(request(OP_READ, 0, 2, d.addr, d.rkey, d.epoch)); // zero length
+        batch.extend(request(OP_READ, 1 << 20, 3, d.addr, d.rkey, d.epoch)); // over max_read_len
+        batch.extend(request(OP_READ, 16, 4, d.addr + 8190, d.rkey, d.epoch)); // past the end
+        batch.extend(request(OP_READ, 16, 5, u64::MAX - 3, d.rkey, d.epoch)); // wraps
+        batch.extend(request(OP_READ, 16, 6, d.addr, d.rkey ^ 1, d.epoch)); // wrong rkey
+        batch.extend(request(OP_READ, 16, 7, d.addr, d.rkey, d.epoch ^ 1)); // stale epoch
+        batch.extend(request(OP_READ, 4, 8, d.addr + 8188, d.rkey, d.epoch)); // last 4 bytes
+        s.write_all(&batch).expect("send");
+        let expect = [
+            (ST_BAD_REQUEST, 1),
+            (ST_BAD_REQUEST, 2),
+            (ST_BAD_REQUEST, 3),
+            (ST_OUT_OF_BOUNDS, 4),
+            (ST_OUT_OF_BOUNDS, 5),
+            (ST_UNKNOWN_KEY, 6),
+            (ST_STALE_EPOCH, 7),
+        ];
+        for (st, id) in expect {
+            let (got_st, got_id, body) = response(&mut s);
+            assert_eq!((got_st, got_id, body.len()), (st, id, 0));
+        }
+        assert_eq!(response(&mut s), (ST_OK, 8, vec![252, 253, 254, 255]));
+        // One request in two writes.
+        let req = request(OP_READ, 3, 9, d.addr + 1, d.rkey, d.epoch);
+        s.write_all(&req[..17]).expect("send part");
+        std::thread::sleep(Duration::from_millis(20));
+        s.write_all(&req[17..]).expect("send rest");
+        assert_eq!(response(&mut s), (ST_OK, 9, vec![1, 2, 3]));
+    }
+}

@@ -68,3 +68,119 @@ fn torn_reads_happen_in_chaos_mode() {
 fn stale_epoch_is_refused() {
     conformance::bounded(30, conformance::stale_epoch_is_refused::<Shm>);
 }
+
+/// Environment variable that turns [`shm_writer_child`] into the writer.
+const WRITER_ENV: &str = "PAGEWIRE_SHM_WRITER_CHILD";
+
+/// The writer process of [`rewritten_by_another_process`]: publishes four
+/// self-validating pages and rewrites them until its stdin closes.
+#[test]
+#[ignore = "helper: run by rewritten_by_another_process as a child process"]
+fn shm_writer_child() {
+    let Ok(name) = std::env::var(WRITER_ENV) else {
+        return;
+    };
+    use pagewire_rdma::LocalRegion;
+    use std::io::Read;
+    let owner = ShmOwner::create(&name).expect("create owner");
+    let r = owner.register(4 * conformance::PAGE).expect("register");
+    for p in 0..4u64 {
+        r.write_bytes(
+            p as usize * conformance::PAGE,
+            &conformance::torn_page(p, 0),
+        );
+    }
+    let hex: String = r
+        .descriptor()
+        .to_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!("DESCRIPTOR {hex}");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = Arc::clone(&stop);
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        let _ = std::io::stdin().read(&mut b);
+        s.store(true, Ordering::Relaxed);
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut g = 1;
+    while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+        for p in 0..4u64 {
+            r.write_bytes(
+                p as usize * conformance::PAGE,
+                &conformance::torn_page(p, g),
+            );
+        }
+        g += 1;
+        std::thread::sleep(Duration::from_micros(300));
+    }
+}
+
+/// A reader in this process, the owner rewriting its pages in another: torn
+/// READs happen (chaos mode) and the checksum catches every one.
+#[test]
+fn rewritten_by_another_process() {
+    conformance::bounded(60, || {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let name = format!("xproc-{}", std::process::id());
+        let mut child = Command::new(std::env::current_exe().expect("test binary"))
+            .args([
+                "--exact",
+                "shm_writer_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(WRITER_ENV, &name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the writer");
+        let out = child.stdout.take().expect("stdout");
+        let line = std::io::BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.contains("DESCRIPTOR "))
+            .expect("the writer's descriptor");
+        // libtest prints "test shm_writer_child ... " before it on the same line.
+        let hex = line.split("DESCRIPTOR ").nth(1).expect("descriptor").trim();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+            .collect();
+        let d = pagewire_rdma::RegionDescriptor::from_bytes(&bytes).expect("descriptor");
+        let chaos = Some(Chaos {
+            pause: Some(Duration::from_micros(500)),
+        });
+        let mut c = ShmConnection::connect(&name, ShmConfig { dir: None, chaos }).expect("connect");
+        let (mut valid, mut torn) = (0, 0);
+        let mut buf = vec![0u8; conformance::PAGE];
+        for i in 0..2000u64 {
+            let page = i % 4;
+            let res = pagewire_rdma::read_blocking(
+                &mut c,
+                d,
+                &mut [(page * conformance::PAGE as u64, &mut buf[..])],
+            )
+            .expect("post");
+            assert_eq!(res[0], Ok(()));
+            if conformance::validate(page, &buf) {
+                valid += 1
+            } else {
+                torn += 1
+            }
+            if valid > 20 && torn > 20 {
+                break;
+            }
+        }
+        drop(child.stdin.take());
+        let _ = child.wait();
+        eprintln!(
+            "across processes: {valid} valid reads, {torn} torn reads caught by the checksum"
+        );
+        assert!(valid > 0 && torn > 0, "valid {valid}, torn {torn}");
+    });
+}

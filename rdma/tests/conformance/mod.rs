@@ -253,11 +253,11 @@ pub fn stale_epoch_is_refused<H: Harness>() {
     );
 }
 
-const PAGE: usize = 4096;
+pub const PAGE: usize = 4096;
 
 /// A self-validating page of generation `g`: bytes 0..8 hold `g`, 8..16 an
 /// xxh3 of the rest, 16.. a SplitMix64 stream of `g`.
-fn torn_page(page: u64, g: u64) -> Vec<u8> {
+pub fn torn_page(page: u64, g: u64) -> Vec<u8> {
     let mut v = g.to_le_bytes().to_vec();
     v.extend_from_slice(&[0; 8]);
     let body = pattern(PAGE - 16, page.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ g);
@@ -268,7 +268,7 @@ fn torn_page(page: u64, g: u64) -> Vec<u8> {
 }
 
 /// Whether a page read validates; panics if it validates with wrong bytes.
-fn validate(page: u64, bytes: &[u8]) -> bool {
+pub fn validate(page: u64, bytes: &[u8]) -> bool {
     let g = u64::from_le_bytes(bytes[0..8].try_into().expect("8"));
     let sum = u64::from_le_bytes(bytes[8..16].try_into().expect("8"));
     if xxhash_rust::xxh3::xxh3_64_with_seed(&bytes[16..], g) != sum {
