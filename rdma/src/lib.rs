@@ -26,10 +26,11 @@
 //! reader must validate what it read (pagewire uses a 64-bit checksum).
 //!
 //! Atomics: the design leaves room for remote compare-and-swap and
-//! fetch-and-add. Work requests carry an opcode on every backend's wire
-//! (`tcp` reserves opcodes 2 and 3, `verbs` maps to `IBV_WR_ATOMIC_*`), and a
-//! future `post_atomics` would add a completion value; they are not
-//! implemented yet, and no method pretends otherwise.
+//! fetch-and-add: the `tcp` wire carries an opcode (2 and 3 are reserved for
+//! them), sideway can post `IBV_WR_ATOMIC_*` work requests for `verbs`, and
+//! a future `post_atomics` would add a completion value (the old word) and
+//! a region registered with atomic access. None of that is implemented yet,
+//! and no method pretends otherwise.
 //!
 //! This crate depends on nothing else of pagewire's: `node` builds on it,
 //! never the other way round, and it never calls into a page cache.

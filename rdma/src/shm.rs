@@ -40,6 +40,31 @@
 //! READs after the owner closed with [`ReadError::ConnectionLost`]. An owner
 //! that dies without closing is noticed when a connection opens or maps a new
 //! region (its pid is gone); mapped bytes stay readable (frozen) until then.
+//!
+//! # Protocol
+//!
+//! **State.** Each file's header has a state word: `LIVE = 1`, `DEAD = 2`
+//! (closed owner / revoked region). The magic word is written last.
+//!
+//! **Fields.** The owner writes every header field once, before the rename
+//! publishes the file, and afterwards only the state word (LIVE → DEAD,
+//! once). Readers only load. Data bytes are written by the owner and read by
+//! readers concurrently, always with atomic word accesses.
+//!
+//! **Transitions.** 1. create: fields, then magic (Release), then rename.
+//! 2. revoke/close: state := DEAD (Release), then unlink. Nothing returns to
+//! LIVE; a new registration is a new file with a new rkey.
+//!
+//! **Ordering.** The Release store of the magic pairs with the reader's
+//! Acquire load of it (so the fields are visible); the Release store of DEAD
+//! pairs with the reader's Acquire loads of the state before and after its
+//! copy.
+//!
+//! **Critical interleavings.** (a) The owner revokes or closes during a
+//! copy: the reader's mapping stays valid (the file's pages live until the
+//! last mapping goes), so the copy reads stale-but-mapped bytes, and the
+//! state load after the copy turns it into an error. (b) The owner rewrites
+//! data during a copy: a torn READ, caught by the reader's checksum.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
