@@ -146,6 +146,29 @@ fn pid_alive(pid: u32) -> bool {
     r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
+/// Removes the region files a dead owner of `name` left behind (exactly
+/// `pagewire-{name}-` followed by eight hex digits: names may contain `-`).
+fn remove_stale_regions(dir: &Path, name: &str) {
+    let prefix = format!("pagewire-{name}-");
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(f) = file.to_str() else { continue };
+        if let Some(rest) = f.strip_prefix(&prefix)
+            && rest.len() == 8
+            && rest.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            tracing::info!(
+                file = f,
+                "shm owner: removing a region file left by a dead owner"
+            );
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Creates `path` with `len` bytes through a temporary name; `init` fills the
 /// mapping before the rename publishes it.
 fn publish(
@@ -211,6 +234,7 @@ impl ShmOwner {
                 format!("a live shm owner {name:?} exists"),
             ));
         }
+        remove_stale_regions(dir, name);
         let mut e = [0u8; 8];
         getrandom::fill(&mut e).map_err(io::Error::other)?;
         let incarnation = u64::from_le_bytes(e) | 1;

@@ -184,3 +184,47 @@ fn rewritten_by_another_process() {
         assert!(valid > 0 && torn > 0, "valid {valid}, torn {torn}");
     });
 }
+
+/// An owner that died without closing leaves files; a new owner of the same
+/// name replaces its control file and removes its region files, and only
+/// those (another owner whose name extends this one keeps its files).
+#[test]
+fn dead_owner_files_are_replaced() {
+    conformance::bounded(30, || {
+        let dir = std::env::temp_dir().join(format!("pw-shm-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let stale = dir.join("pagewire-node-0000abcd");
+        let other = dir.join("pagewire-node-b-0000abcd");
+        std::fs::write(&stale, b"left by a dead owner").expect("stale region");
+        std::fs::write(&other, b"another owner's region").expect("other region");
+        // A control file whose pid cannot exist: a dead owner.
+        let mut ctl = vec![0u8; 4096];
+        ctl[0..8].copy_from_slice(b"PWSHMCTL");
+        ctl[8..12].copy_from_slice(&1u32.to_le_bytes());
+        ctl[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        ctl[24..32].copy_from_slice(&1u64.to_le_bytes());
+        std::fs::write(dir.join("pagewire-node"), &ctl).expect("stale control file");
+        let cfg = || ShmConfig {
+            dir: Some(dir.clone()),
+            chaos: None,
+        };
+        assert!(
+            ShmConnection::connect("node", cfg()).is_err(),
+            "a dead owner must not accept readers"
+        );
+        let owner = ShmOwner::create_in(&dir, "node").expect("replace the dead owner");
+        assert!(!stale.exists(), "the dead owner's region file is removed");
+        assert!(other.exists(), "another owner's region file is kept");
+        let _c = ShmConnection::connect("node", cfg()).expect("the new owner accepts readers");
+        assert!(
+            ShmOwner::create_in(&dir, "node").is_err(),
+            "a live owner is not replaced"
+        );
+        drop(owner);
+        assert!(
+            ShmConnection::connect("node", cfg()).is_err(),
+            "a closed owner refuses readers"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
