@@ -489,6 +489,23 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
     } else {
         (args.seconds, args.runs.max(1), args.region_mib)
     };
+    const KNOWN: [&str; 5] = ["shm", "tcp", "raw_tcp", "memcpy", "redis"];
+    if let Some(t) = args
+        .transports
+        .iter()
+        .find(|t| !KNOWN.contains(&t.as_str()))
+    {
+        bail!("unknown transport {t:?} (known: {})", KNOWN.join(", "));
+    }
+    if args.clients.contains(&0) || args.batch.contains(&0) {
+        bail!("--clients and --batch take positive numbers");
+    }
+    if args.batch.iter().any(|&b| b > 1024) {
+        bail!("--batch is at most 1024 (a tcp connection's outstanding limit)");
+    }
+    if !(secs > 0.0 && secs.is_finite()) {
+        bail!("--seconds must be a positive number");
+    }
     let pages = (region_mib.max(1) * (1 << 20) / PAGE) as u64;
     let len = pages as usize * PAGE;
     let mut plain = vec![0u8; len];
