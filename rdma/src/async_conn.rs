@@ -79,6 +79,11 @@ impl<C: Connection> AsyncConnection<C> {
             match &self.fd {
                 None => tokio::task::yield_now().await,
                 Some(fd) => {
+                    self.conn.arm();
+                    let n = self.conn.poll(out);
+                    if n > 0 {
+                        return n;
+                    }
                     if let Ok(Ok(mut guard)) = tokio::time::timeout(QUANTUM, fd.readable()).await {
                         let n = self.conn.poll(out);
                         if n > 0 {

@@ -109,6 +109,12 @@ pub unsafe trait Connection: Send {
     fn readiness_fd(&self) -> Option<RawFd> {
         None
     }
+
+    /// Prepares the readiness descriptor before the caller sleeps on it:
+    /// after `arm`, any completion that `poll` has not returned yet makes the
+    /// descriptor readable (verbs arms its completion channel here). Callers
+    /// poll once more after arming, then wait. A no-op by default.
+    fn arm(&mut self) {}
 }
 
 /// Reads each `(offset, buffer)` of `region` and waits for all of them: the

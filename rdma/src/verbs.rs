@@ -39,14 +39,18 @@
 //! Repeated whenever the reader re-establishes; the owner then replaces its
 //! queue pair for that reader. Integers are little-endian.
 //!
-//! Waiting busy-polls the completion queue (spinning, then sleeping in short
-//! steps); completion-channel events are not used yet, so
-//! [`Connection::readiness_fd`] is `None`.
+//! Waiting spins on the completion queue briefly, then arms the CQ's
+//! completion channel and sleeps on its descriptor, which is also the
+//! connection's [`Connection::readiness_fd`] (so tokio tasks are woken by the
+//! reactor). sideway has no call to arm a CQ or read its events, so those
+//! three calls (`ibv_req_notify_cq`, `ibv_get_cq_event`, `ibv_ack_cq_events`)
+//! go through `rdma-mummy-sys`, the verbs layer sideway itself is built on,
+//! rather than `rdma-sys`, which would link a second copy of libibverbs.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -56,7 +60,8 @@ use memmap2::MmapMut;
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid, GidType};
 use sideway::ibverbs::completion::{
-    BasicCompletionQueue, GenericCompletionQueue, PollCompletionQueueError, WorkCompletionStatus,
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+    PollCompletionQueueError, WorkCompletionStatus,
 };
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
@@ -542,6 +547,8 @@ pub struct VerbsConnection {
     // memory region, the bounce mapping, the device.
     qp: BasicQueuePair,
     cq: Arc<BasicCompletionQueue>,
+    // After `cq`: a CQ is destroyed before its channel.
+    channel: Arc<CompletionChannel>,
     bounce_mr: Arc<MemoryRegion>,
     bounce: MmapMut,
     nic: Nic,
@@ -559,6 +566,8 @@ pub struct VerbsConnection {
     ready: Vec<Completion>,
     next_ctrl_check: Instant,
     next_expiry: Option<Instant>,
+    /// The CQ is armed: its next completion raises a channel event.
+    armed: bool,
 }
 
 // SAFETY: the raw pointers in `slots` are the caller's buffers of posted
@@ -593,16 +602,24 @@ impl VerbsConnection {
             )
         }
         .map_err(|e| ConnectError::Device(dev_err("registering the bounce buffer", e)))?;
+        let channel = nic
+            .ctx
+            .create_comp_channel()
+            .map_err(|e| ConnectError::Device(dev_err("creating a completion channel", e)))?;
+        channel.set_nonblocking(true)?;
         let cq = nic
             .ctx
             .create_cq_builder()
             .setup_cqe(n as u32 * 2)
+            .setup_comp_channel(&channel, 0)
             .build()
             .map_err(|e| ConnectError::Device(dev_err("creating a completion queue", e)))?;
         let (qp, owner_epoch) = Self::establish(&nic, &cq, &mut ctrl, &config, n as u32)?;
         Ok(Self {
             qp,
             cq,
+            channel,
+            armed: false,
             bounce_mr,
             bounce,
             nic,
@@ -813,6 +830,40 @@ impl VerbsConnection {
         }
     }
 
+    /// Reads and acknowledges the channel's pending events, then arms the CQ
+    /// (once per event: a CQ raises one event per arming).
+    fn arm_cq(&mut self) {
+        let mut events = 0u32;
+        loop {
+            let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
+            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the channel is live (held by `self`) and non-blocking;
+            // the out-pointers are valid locals.
+            let r = unsafe {
+                rdma_mummy_sys::ibv_get_cq_event(
+                    self.channel.comp_channel().as_ptr(),
+                    &mut cq,
+                    &mut ctx,
+                )
+            };
+            if r != 0 {
+                break;
+            }
+            events += 1;
+        }
+        if events > 0 {
+            // SAFETY: our live CQ; acknowledges exactly the events read above
+            // (a CQ with unacknowledged events could not be destroyed).
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(self.cq.cq().as_ptr(), events) };
+            self.armed = false;
+        }
+        if !self.armed {
+            // SAFETY: our live CQ; requests an event for the next completion.
+            let r = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+            self.armed = r == 0;
+        }
+    }
+
     fn check_control(&mut self) {
         let now = Instant::now();
         if now < self.next_ctrl_check {
@@ -963,9 +1014,24 @@ unsafe impl Connection for VerbsConnection {
             spins += 1;
             if spins < 2000 {
                 std::hint::spin_loop();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
+                continue;
             }
+            // Sleep on the completion channel: arm, re-poll (a completion may
+            // have landed before the arming), then wait for an event, at most
+            // until the next control-channel check.
+            self.arm_cq();
+            let n = self.poll(out);
+            if n > 0 {
+                return n;
+            }
+            let left = timeout.saturating_sub(start.elapsed()).min(CONTROL_CHECK);
+            let mut pfd = libc::pollfd {
+                fd: self.channel.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the channel's descriptor.
+            unsafe { libc::poll(&mut pfd, 1, left.as_millis().max(1) as libc::c_int) };
         }
     }
 
@@ -978,5 +1044,13 @@ unsafe impl Connection for VerbsConnection {
             max_outstanding: self.slots.len(),
             max_read_len: self.config.max_read_len,
         }
+    }
+
+    fn readiness_fd(&self) -> Option<RawFd> {
+        Some(self.channel.as_raw_fd())
+    }
+
+    fn arm(&mut self) {
+        self.arm_cq();
     }
 }

@@ -72,3 +72,47 @@ fn wrong_token_is_refused() {
         );
     });
 }
+
+/// The completion channel really wakes a sleeper: after `arm`, a READ's
+/// completion makes the readiness descriptor readable (no timeout fallback
+/// involved), and `poll` then returns it.
+#[test]
+#[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]
+fn completion_channel_wakes_a_sleeper() {
+    conformance::bounded(60, || {
+        use pagewire_rdma::{Connection, LocalRegion, ReadRequest};
+        let h = <Verbs as conformance::Harness>::new(None);
+        let r = <Verbs as conformance::Harness>::register(&h, 4096);
+        r.write_bytes(0, &[7u8; 4096]);
+        let d = r.descriptor();
+        let mut c = <Verbs as conformance::Harness>::connect(&h);
+        let fd = c.readiness_fd().expect("verbs has a readiness descriptor");
+        for round in 0..5u64 {
+            let mut buf = vec![0u8; 4096];
+            c.arm();
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let early = unsafe { libc::poll(&mut pfd, 1, 0) };
+            assert_eq!(early, 0, "round {round}: readable before any completion");
+            // SAFETY: `buf` lives until the completion below is returned.
+            unsafe { c.post_reads(&[ReadRequest::new(round, d, 0, &mut buf)]) }.expect("post");
+            // SAFETY: one valid pollfd.
+            let ready = unsafe { libc::poll(&mut pfd, 1, 5000) };
+            assert_eq!(
+                ready, 1,
+                "round {round}: no channel event within 5 s of a completion"
+            );
+            let mut out = Vec::new();
+            while out.is_empty() {
+                c.poll(&mut out);
+            }
+            assert_eq!(out.len(), 1);
+            assert_eq!(out[0].result, Ok(()));
+            assert_eq!(buf, vec![7u8; 4096]);
+        }
+    });
+}
