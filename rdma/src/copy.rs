@@ -93,6 +93,20 @@ unsafe fn copy_words(src: *const u8, dst: *mut u8, len: usize) {
         unsafe { dst.add(i).write(b) };
         i += 1;
     }
+    // Eight independent word loads per step, then their stores: atomics are
+    // never merged into vector loads, so this keeps the load ports busy.
+    while i + 64 <= len {
+        let mut line = [0u64; 8];
+        for (k, w) in line.iter_mut().enumerate() {
+            // SAFETY: `src + i + 8k` is 8-aligned (past the head) and the
+            // whole step lies below `src + len`.
+            *w = unsafe { AtomicU64::from_ptr(src.add(i + 8 * k).cast::<u64>().cast_mut()) }
+                .load(Ordering::Relaxed);
+        }
+        // SAFETY: `dst + i .. + 64` is in the writable range; unaligned write.
+        unsafe { dst.add(i).cast::<[u64; 8]>().write_unaligned(line) };
+        i += 64;
+    }
     while i + 8 <= len {
         // SAFETY: `src + i` is 8-aligned (past the head) and `src + i + 8 <=
         // src + len` is readable.
