@@ -1,5 +1,6 @@
-//! pagewire-bench: the seed benchmarks of the lockless page cache (and,
-//! as the project grows, the transport and distributed fault-storm benches).
+//! pagewire-bench: the seed benchmarks of the lockless page cache, the
+//! transport benchmark, and (as the project grows) the distributed fault
+//! storms.
 //!
 //! Every subcommand prints a human table, or one JSON object with `--json`
 //! ({"bench", "machine", "params", "results": [...]}), states the machine,
@@ -11,6 +12,7 @@ mod local;
 mod machine;
 mod plot;
 mod report;
+mod transport;
 mod workers;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +34,9 @@ enum Cmd {
     /// 2^23 sequential page insertions: single and gang, global lock and
     /// fine-grained.
     Insert(insert::Args),
+    /// 4 KiB READ latency and throughput of each transport, beside raw TCP,
+    /// memcpy and Redis GET.
+    Transport(transport::TransportArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,5 +48,6 @@ fn main() -> anyhow::Result<()> {
         Cmd::Local(a) => local::run(&a),
         Cmd::Bytes(a) => bytes::run(&a),
         Cmd::Insert(a) => insert::run(&a),
+        Cmd::Transport(a) => transport::run(&a),
     }
 }

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# CI for the rdma crate and `pagewire-bench transport`; .ci/run calls it as
+# `bash .ci/rdma.sh` from the repository root, as root, on a fresh Debian
+# bookworm machine that has only the Rust toolchain and cargo-nextest.
+#
+# 1. installs what it needs (verbs build deps, the soft-RoCE VM's tools,
+#    redis-server for the bench);
+# 2. builds and lints pagewire-rdma with every feature (verbs included);
+# 3. runs the rdma tests (tcp and shm conformance; the verbs tests are
+#    ignored here: no RDMA in this kernel);
+# 4. runs the verbs conformance suite inside a soft-RoCE VM;
+# 5. smoke-runs `pagewire-bench transport --quick`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { echo "=== rdma ci: $* ($(date -u +%T))"; }
+
+step "installing packages"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q \
+    clang libclang-dev cmake pkg-config \
+    libibverbs-dev librdmacm-dev rdma-core ibverbs-providers \
+    qemu-system-x86 busybox-static kmod cpio iproute2 \
+    redis-server >/dev/null
+
+step "fmt"
+cargo fmt --all --check
+
+step "clippy (pagewire-rdma, all features; pagewire-bench)"
+cargo clippy -p pagewire-rdma --all-targets --all-features -- -D warnings
+cargo clippy -p pagewire-bench --all-targets -- -D warnings
+
+step "tests (pagewire-rdma, all features)"
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run -p pagewire-rdma --all-features
+else
+    cargo test -p pagewire-rdma --all-features
+fi
+
+step "verbs conformance suite on soft-RoCE"
+bash rdma/scripts/softroce-test.sh
+
+step "pagewire-bench transport --quick"
+cargo run --release -q -p pagewire-bench -- transport --quick
+
+step "done"

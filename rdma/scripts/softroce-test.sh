@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Runs the verbs conformance suite on real ibverbs, inside a soft-RoCE VM.
+#
+# The development and CI kernels have no RDMA, so this boots Debian's stock
+# kernel under qemu (TCG: KVM does not work on these hosts) with a hand-made
+# busybox initramfs, loads soft-RoCE (rdma_rxe), adds rxe0 on the VM's eth0,
+# and runs the verbs test binary (built here, shared read-only over 9p) with
+# --ignored. Prints SOFTROCE PASS and exits 0 only if every test passed.
+#
+# Needs (apt): qemu-system-x86 busybox-static kmod cpio rdma-core
+# ibverbs-providers libibverbs-dev librdmacm-dev iproute2, plus the verbs
+# build deps (clang libclang-dev cmake). Downloads the kernel package with
+# `apt-get download` (needs a fresh `apt-get update`), caches it under
+# target/softroce/.
+#
+# Environment: SOFTROCE_TIMEOUT (seconds for the VM, default 900),
+# SOFTROCE_TEST_ARGS (extra libtest args, e.g. a test name filter),
+# CARGO_TARGET_DIR (as for cargo).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+target=${CARGO_TARGET_DIR:-$repo/target}
+work=$target/softroce
+timeout_s=${SOFTROCE_TIMEOUT:-900}
+mkdir -p "$work"
+
+say() { echo "softroce: $*" >&2; }
+
+# 1. The test binary.
+say "building the verbs conformance tests"
+bin=$(cargo test -p pagewire-rdma --features verbs --test verbs --no-run --message-format=json 2>/dev/null \
+    | grep -o '"executable":"[^"]*"' | tail -n1 | sed 's/"executable":"//; s/"$//')
+[ -x "$bin" ] || { say "could not find the test binary"; exit 1; }
+share=$work/share
+rm -rf "$share"; mkdir -p "$share"
+cp "$bin" "$share/verbs-tests"
+
+# 2. The kernel, unpacked, never installed.
+kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+[ -n "$kpkg" ] || { say "no linux-image-amd64 in the apt lists (run apt-get update)"; exit 1; }
+kver=${kpkg#linux-image-}
+kdir=$work/kernel-$kver
+if [ ! -f "$kdir/boot/vmlinuz-$kver" ]; then
+    say "fetching $kpkg"
+    rm -rf "$kdir" "$work"/dl; mkdir -p "$work/dl" "$kdir"
+    (cd "$work/dl" && apt-get download -o APT::Sandbox::User=root "$kpkg" >/dev/null)
+    dpkg-deb -x "$work"/dl/*.deb "$kdir"
+    depmod -b "$kdir" "$kver"
+    rm -rf "$work/dl"
+fi
+
+# 3. The initramfs: busybox, the verbs user space with its libraries, modules.
+say "building the initramfs"
+root=$work/initramfs
+rm -rf "$root"
+mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,mnt/host,etc/libibverbs.d,lib/modules,usr/lib/x86_64-linux-gnu/libibverbs}
+cp /bin/busybox "$root/bin/busybox"
+for app in sh mount ip sleep cat echo poweroff insmod mkdir ls uname dmesg grep seq; do
+    ln -sf busybox "$root/bin/$app"
+done
+libdir=/usr/lib/x86_64-linux-gnu
+rdma_tool=$(command -v rdma || echo /sbin/rdma)
+copy_with_libs() {
+    local f
+    for f in "$@"; do
+        mkdir -p "$root$(dirname "$f")"
+        cp -L "$f" "$root$f"
+        ldd "$f" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
+            mkdir -p "$root$(dirname "$lib")"
+            [ -e "$root$lib" ] || cp -L "$lib" "$root$lib"
+        done
+    done
+}
+# libibverbs and librdmacm are loaded at run time by sideway (dlopen): copy
+# them and the rxe provider by name, with their own libraries.
+copy_with_libs "$rdma_tool" "$bin" \
+    "$(readlink -f $libdir/libibverbs.so.1)" "$(readlink -f $libdir/librdmacm.so.1)" \
+    $libdir/libibverbs/librxe-rdmav*.so
+for l in libibverbs.so.1 librdmacm.so.1; do
+    cp -P "$libdir/$l" "$root$libdir/$l"
+done
+cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
+mkdir -p "$root/lib64"; [ -e "$root/lib64/ld-linux-x86-64.so.2" ] || cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"
+# Modules in dependency order; crc32_generic first-class: rxe needs it and
+# nothing loads it (without it `rdma link add` fails with ENOENT).
+mods=""
+for m in virtio_pci virtio_net 9pnet_virtio 9p crc32_generic rdma_rxe rdma_ucm; do
+    mods="$mods $(modprobe -d "$kdir" -S "$kver" --show-depends "$m" | awk '$1=="insmod"{print $2}')"
+done
+order=""
+for f in $mods; do
+    case " $order " in *" $f "*) ;; *) order="$order $f" ;; esac
+done
+: > "$root/modules.order"
+for f in $order; do
+    rel=${f#"$kdir"}
+    mkdir -p "$root$(dirname "$rel")"
+    cp "$f" "$root$rel"
+    echo "$rel" >> "$root/modules.order"
+done
+cat > "$root/init" <<'INIT'
+#!/bin/sh
+export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in $(cat /modules.order); do
+    case "$m" in
+        *.xz) xz -dc "$m" > /tmp/m.ko && insmod /tmp/m.ko ;;
+        *.zst) zstd -dc "$m" > /tmp/m.ko && insmod /tmp/m.ko ;;
+        *) insmod "$m" ;;
+    esac || echo "softroce-vm: insmod $m failed"
+done
+ip link set lo up
+ip link set eth0 up
+ip addr add 10.0.0.1/24 dev eth0
+rdma link add rxe0 type rxe netdev eth0 || echo "softroce-vm: rdma link add failed"
+sleep 1
+rdma link show
+mount -t 9p -o trans=virtio,version=9p2000.L,ro host0 /mnt/host
+echo "softroce-vm: running the verbs conformance suite"
+cd /tmp
+PAGEWIRE_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1 /mnt/host/verbs-tests --ignored --test-threads=1 $(cat /test-args)
+echo "SOFTROCE-RESULT rc=$?"
+poweroff -f
+INIT
+chmod +x "$root/init"
+echo "${SOFTROCE_TEST_ARGS:-}" > "$root/test-args"
+(cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initrd.gz"
+
+# 4. Boot it.
+say "booting $kver under qemu (TCG), timeout ${timeout_s}s"
+log=$work/console.log
+set +e
+timeout "$timeout_s" qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 2048 \
+    -kernel "$kdir/boot/vmlinuz-$kver" -initrd "$work/initrd.gz" \
+    -append "console=ttyS0 panic=-1 quiet rdinit=/init" \
+    -display none -serial stdio -monitor none -no-reboot \
+    -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:01 \
+    -virtfs local,path="$share",mount_tag=host0,security_model=none,readonly=on \
+    < /dev/null 2>&1 | tee "$log"
+qemu_rc=${PIPESTATUS[0]}
+set -e
+if [ "$qemu_rc" = 124 ]; then
+    say "the VM did not finish within ${timeout_s}s (a hang)"
+fi
+if grep -q '^SOFTROCE-RESULT rc=0' "$log" && grep -q '^test result: ok\.' "$log" \
+    && ! grep -q ' 0 passed' "$log"; then
+    echo "SOFTROCE PASS: verbs conformance suite passed on soft-RoCE ($(grep '^test result' "$log"))"
+    exit 0
+fi
+echo "SOFTROCE FAIL: see $log"
+exit 1

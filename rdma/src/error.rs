@@ -1,0 +1,109 @@
+//! Error and outcome types, one enum per operation family.
+
+use std::io;
+
+/// Why a remote region refused a READ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AccessFault {
+    /// No live region has this rkey (never registered, or deregistered).
+    UnknownKey,
+    /// The rkey exists but the descriptor's epoch is not the region's.
+    StaleEpoch,
+    /// The address range is not inside the region.
+    OutOfBounds,
+    /// The request was malformed (bad opcode, zero or oversized length).
+    BadRequest,
+    /// The device reported a remote access error without a finer reason (verbs).
+    Device,
+}
+
+/// The outcome of one READ that did not deliver its bytes.
+///
+/// These are outcomes, not bugs: a reader is expected to handle each one
+/// (refresh the descriptor, reconnect, fall back to the owner's RPC).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReadError {
+    /// The remote side refused the access; the connection is still usable.
+    #[error("remote access error: {0:?}")]
+    RemoteAccess(AccessFault),
+    /// The connection broke before the READ completed; the local buffer may
+    /// hold partial data. Every later post fails with
+    /// [`PostError::ConnectionLost`].
+    #[error("connection lost")]
+    ConnectionLost,
+    /// The READ did not complete within the connection's operation timeout.
+    /// The backend guarantees the local buffer is no longer written.
+    #[error("timed out")]
+    Timeout,
+}
+
+/// Why a batch could not be posted; nothing of the batch was posted.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostError {
+    /// More outstanding requests than the connection allows.
+    #[error("queue full: {outstanding} outstanding, {requested} more requested, limit {limit}")]
+    QueueFull {
+        /// Requests posted and not yet completed.
+        outstanding: usize,
+        /// Size of the refused batch.
+        requested: usize,
+        /// [`crate::Limits::max_outstanding`].
+        limit: usize,
+    },
+    /// A request asks for more bytes than [`crate::Limits::max_read_len`], or zero.
+    #[error("invalid read length {len} (limit {limit})")]
+    InvalidLength {
+        /// Requested length.
+        len: usize,
+        /// The connection's limit.
+        limit: usize,
+    },
+    /// The connection is already known to be lost.
+    #[error("connection lost")]
+    ConnectionLost,
+    /// The device refused the work requests (verbs).
+    #[error("device refused the post")]
+    Device(#[source] io::Error),
+}
+
+/// Why a connection could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The operating system refused (connect, open, mmap...).
+    #[error("i/o error while connecting")]
+    Io(#[from] io::Error),
+    /// The peer does not hold the same cluster token (or we do not).
+    #[error("authentication failed: the peer does not share our cluster token")]
+    AuthFailed,
+    /// The peer spoke something else than this protocol version.
+    #[error("protocol error: {0}")]
+    Protocol(&'static str),
+    /// No such peer (shm: no live owner under that name).
+    #[error("no live peer named {0:?}")]
+    NoSuchPeer(String),
+    /// The RDMA device could not be opened or configured.
+    #[error("rdma device error: {0}")]
+    Device(String),
+}
+
+/// Why memory could not be registered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// Zero length, or too large for this backend.
+    #[error("invalid region length {0}")]
+    InvalidLength(usize),
+    /// The operating system refused (mmap, file creation).
+    #[error("i/o error while registering")]
+    Io(#[from] io::Error),
+    /// The device refused the registration (verbs).
+    #[error("rdma device error: {0}")]
+    Device(String),
+    /// The owner is shut down.
+    #[error("the owner is closed")]
+    Closed,
+}

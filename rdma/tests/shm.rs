@@ -1,0 +1,230 @@
+//! The conformance suite on the `shm` backend.
+
+mod conformance;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use pagewire_rdma::Chaos;
+use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner, ShmRegion};
+
+struct Shm {
+    owner: Arc<ShmOwner>,
+    chaos: Option<Chaos>,
+}
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+impl conformance::Harness for Shm {
+    type Region = ShmRegion;
+    type Conn = ShmConnection;
+    const CHAOS: bool = true;
+
+    fn new(chaos: Option<Chaos>) -> Self {
+        let name = format!(
+            "conformance-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        Self {
+            owner: Arc::new(ShmOwner::create(&name).expect("create owner")),
+            chaos,
+        }
+    }
+
+    fn register(&self, len: usize) -> ShmRegion {
+        self.owner.register(len).expect("register")
+    }
+
+    fn connect(&self) -> ShmConnection {
+        ShmConnection::connect(
+            self.owner.name(),
+            ShmConfig {
+                dir: None,
+                chaos: self.chaos,
+            },
+        )
+        .expect("connect")
+    }
+
+    fn kill(&self) {
+        self.owner.close();
+    }
+}
+
+conformance_tests!(Shm);
+
+#[test]
+fn torn_reads_happen_in_chaos_mode() {
+    conformance::bounded(60, || {
+        conformance::concurrent_rewrites_are_detectable::<Shm>(Some(Chaos {
+            pause: Some(Duration::from_micros(500)),
+        }))
+    });
+}
+
+#[test]
+fn stale_epoch_is_refused() {
+    conformance::bounded(30, conformance::stale_epoch_is_refused::<Shm>);
+}
+
+/// Environment variable that turns [`shm_writer_child`] into the writer.
+const WRITER_ENV: &str = "PAGEWIRE_SHM_WRITER_CHILD";
+
+/// The writer process of [`rewritten_by_another_process`]: publishes four
+/// self-validating pages and rewrites them until its stdin closes.
+#[test]
+#[ignore = "helper: run by rewritten_by_another_process as a child process"]
+fn shm_writer_child() {
+    let Ok(name) = std::env::var(WRITER_ENV) else {
+        return;
+    };
+    use pagewire_rdma::LocalRegion;
+    use std::io::Read;
+    let owner = ShmOwner::create(&name).expect("create owner");
+    let r = owner.register(4 * conformance::PAGE).expect("register");
+    for p in 0..4u64 {
+        r.write_bytes(
+            p as usize * conformance::PAGE,
+            &conformance::torn_page(p, 0),
+        );
+    }
+    let hex: String = r
+        .descriptor()
+        .to_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!("DESCRIPTOR {hex}");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = Arc::clone(&stop);
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        let _ = std::io::stdin().read(&mut b);
+        s.store(true, Ordering::Relaxed);
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut g = 1;
+    while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+        for p in 0..4u64 {
+            r.write_bytes(
+                p as usize * conformance::PAGE,
+                &conformance::torn_page(p, g),
+            );
+        }
+        g += 1;
+        std::thread::sleep(Duration::from_micros(300));
+    }
+}
+
+/// A reader in this process, the owner rewriting its pages in another: torn
+/// READs happen (chaos mode) and the checksum catches every one.
+#[test]
+fn rewritten_by_another_process() {
+    conformance::bounded(60, || {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let name = format!("xproc-{}", std::process::id());
+        let mut child = Command::new(std::env::current_exe().expect("test binary"))
+            .args([
+                "--exact",
+                "shm_writer_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(WRITER_ENV, &name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the writer");
+        let out = child.stdout.take().expect("stdout");
+        let line = std::io::BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.contains("DESCRIPTOR "))
+            .expect("the writer's descriptor");
+        // libtest prints "test shm_writer_child ... " before it on the same line.
+        let hex = line.split("DESCRIPTOR ").nth(1).expect("descriptor").trim();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+            .collect();
+        let d = pagewire_rdma::RegionDescriptor::from_bytes(&bytes).expect("descriptor");
+        let chaos = Some(Chaos {
+            pause: Some(Duration::from_micros(500)),
+        });
+        let mut c = ShmConnection::connect(&name, ShmConfig { dir: None, chaos }).expect("connect");
+        let (mut valid, mut torn) = (0, 0);
+        let mut buf = vec![0u8; conformance::PAGE];
+        for i in 0..2000u64 {
+            let page = i % 4;
+            let res = pagewire_rdma::read_blocking(
+                &mut c,
+                d,
+                &mut [(page * conformance::PAGE as u64, &mut buf[..])],
+            )
+            .expect("post");
+            assert_eq!(res[0], Ok(()));
+            if conformance::validate(page, &buf) {
+                valid += 1
+            } else {
+                torn += 1
+            }
+            if valid > 20 && torn > 20 {
+                break;
+            }
+        }
+        drop(child.stdin.take());
+        let _ = child.wait();
+        eprintln!(
+            "across processes: {valid} valid reads, {torn} torn reads caught by the checksum"
+        );
+        assert!(valid > 0 && torn > 0, "valid {valid}, torn {torn}");
+    });
+}
+
+/// An owner that died without closing leaves files; a new owner of the same
+/// name replaces its control file and removes its region files, and only
+/// those (another owner whose name extends this one keeps its files).
+#[test]
+fn dead_owner_files_are_replaced() {
+    conformance::bounded(30, || {
+        let dir = std::env::temp_dir().join(format!("pw-shm-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let stale = dir.join("pagewire-node-0000abcd");
+        let other = dir.join("pagewire-node-b-0000abcd");
+        std::fs::write(&stale, b"left by a dead owner").expect("stale region");
+        std::fs::write(&other, b"another owner's region").expect("other region");
+        // A control file whose pid cannot exist: a dead owner.
+        let mut ctl = vec![0u8; 4096];
+        ctl[0..8].copy_from_slice(b"PWSHMCTL");
+        ctl[8..12].copy_from_slice(&1u32.to_le_bytes());
+        ctl[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        ctl[24..32].copy_from_slice(&1u64.to_le_bytes());
+        std::fs::write(dir.join("pagewire-node"), &ctl).expect("stale control file");
+        let cfg = || ShmConfig {
+            dir: Some(dir.clone()),
+            chaos: None,
+        };
+        assert!(
+            ShmConnection::connect("node", cfg()).is_err(),
+            "a dead owner must not accept readers"
+        );
+        let owner = ShmOwner::create_in(&dir, "node").expect("replace the dead owner");
+        assert!(!stale.exists(), "the dead owner's region file is removed");
+        assert!(other.exists(), "another owner's region file is kept");
+        let _c = ShmConnection::connect("node", cfg()).expect("the new owner accepts readers");
+        assert!(
+            ShmOwner::create_in(&dir, "node").is_err(),
+            "a live owner is not replaced"
+        );
+        drop(owner);
+        assert!(
+            ShmConnection::connect("node", cfg()).is_err(),
+            "a closed owner refuses readers"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
