@@ -65,6 +65,21 @@ impl Region {
             if ptr == libc::MAP_FAILED {
                 return Err(std::io::Error::last_os_error());
             }
+            // Transparent huge pages: a walk over a big index or arena
+            // otherwise pays a TLB miss per page, and a NIC needs fewer
+            // translation entries. Only a hint; failure changes nothing.
+            // SAFETY: `ptr..ptr + len` is the mapping just created.
+            if unsafe { libc::madvise(ptr, layout.len, libc::MADV_HUGEPAGE) } != 0 {
+                tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_HUGEPAGE) refused");
+            }
+            // Fault the metadata (superblock, index, overflow pool, headers)
+            // in now, as registering the region with a NIC would: lookups and
+            // inserts then never take a page fault. The arena is left to first
+            // touch (or to registration), as it can be large.
+            // SAFETY: `ptr..ptr + arena_offset` lies inside the mapping.
+            if unsafe { libc::madvise(ptr, layout.arena_offset, libc::MADV_POPULATE_WRITE) } != 0 {
+                tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_POPULATE_WRITE) refused");
+            }
             let base = std::ptr::NonNull::new(ptr.cast::<u8>())
                 .ok_or_else(std::io::Error::last_os_error)?;
             let region = Self { layout, base };
