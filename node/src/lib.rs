@@ -1,1 +1,50 @@
-//! pagewire-node: the lockless local page cache (in progress).
+//! pagewire-node: one node of pagewire, a distributed page cache over RDMA.
+//!
+//! This crate holds the node's **lockless local page cache** for its share of
+//! a big file: a frame arena, a frame header table and a bucket index, all in
+//! one region laid out ([`layout`]) so that a remote reader can find and read
+//! a page with one-sided READs and the same read-validate-retry protocol as
+//! a local reader.
+//!
+//! * [`PageCache`]: the safe API (lookup, fault-in, copy-out, write-through,
+//!   eviction, stats), generic over an [`index::Index`] variant.
+//! * [`raw`] (internal): the lock-free core, each module opening with its
+//!   protocol.
+//! * [`pattern`]: the self-describing page format every test and bench uses.
+//! * [`numa`]: topology discovery and placement (hwloc with feature `numa`).
+//!
+//! Dependencies go one way: this crate may use `pagewire-proto` and
+//! `pagewire-rdma`, and must never depend on the coordinator or the bench.
+
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod layout;
+pub mod pattern;
+#[doc(hidden)]
+pub mod raw;
+pub(crate) mod sync;
+
+pub mod index;
+pub mod stats;
+
+#[cfg(not(loom))]
+mod backing;
+#[cfg(not(loom))]
+mod cache;
+mod core;
+pub mod error;
+#[cfg(not(loom))]
+mod flight;
+#[cfg(not(loom))]
+pub mod numa;
+
+#[cfg(all(test, loom))]
+mod loom_models;
+
+#[cfg(not(loom))]
+pub use backing::BackingFile;
+#[cfg(not(loom))]
+pub use cache::{CacheConfig, Evicted, PageCache, PageRef, RegionView};
+pub use error::{BackingError, OpenError, ReadError, WriteError};
+pub use index::{Index, IndexKind};
+pub use stats::Stats;

@@ -1,0 +1,236 @@
+//! The backing file: the source of truth, read with `pread` (optionally
+//! `O_DIRECT`) and written through with `pwrite` (+ `fdatasync` when
+//! configured) before a write is acknowledged.
+
+use crate::error::{BackingError, OpenError};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Linux's limit on iovecs per call.
+const IOV_MAX: usize = 1024;
+
+/// The file a node caches a share of.
+#[derive(Debug)]
+pub struct BackingFile {
+    file: File,
+    /// Buffered descriptor for write-through (O_DIRECT would need aligned
+    /// buffers and offsets for partial-page writes).
+    wfile: File,
+    path: PathBuf,
+    len: u64,
+    page_size: usize,
+    direct: bool,
+    sync: bool,
+}
+
+impl BackingFile {
+    /// Open `path` for reading and writing.
+    pub fn open(
+        path: &Path,
+        page_size: usize,
+        direct: bool,
+        sync: bool,
+    ) -> Result<Self, OpenError> {
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(true);
+        if direct {
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        let file = opts.open(path).map_err(|source| OpenError::Backing {
+            path: path.to_owned(),
+            source,
+        })?;
+        let meta = file.metadata().map_err(|source| OpenError::Backing {
+            path: path.to_owned(),
+            source,
+        })?;
+        if !meta.is_file() {
+            return Err(OpenError::NotAFile(path.to_owned()));
+        }
+        if meta.len() == 0 {
+            return Err(OpenError::EmptyFile(path.to_owned()));
+        }
+        let wfile = if direct {
+            OpenOptions::new().write(true).open(path)
+        } else {
+            file.try_clone()
+        }
+        .map_err(|source| OpenError::Backing {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(Self {
+            file,
+            wfile,
+            path: path.to_owned(),
+            len: meta.len(),
+            page_size,
+            direct,
+            sync,
+        })
+    }
+
+    /// Length of the file when it was opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the file is empty (never: `open` refuses empty files).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Number of pages, the last one possibly partial.
+    pub fn pages(&self) -> u64 {
+        self.len.div_ceil(self.page_size as u64)
+    }
+
+    /// Valid bytes of `page` (page_size except maybe for the last page).
+    pub fn page_len(&self, page: u64) -> usize {
+        let start = page * self.page_size as u64;
+        (self.len - start).min(self.page_size as u64) as usize
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Read pages `first .. first + buf.len() / page_size` into `buf` (a run of
+    /// whole frames). Bytes past the end of the file are zeroed. A file that
+    /// shrank under us is an error, never silently short data.
+    pub fn read_run(&self, first: u64, buf: &mut [u8]) -> Result<(), BackingError> {
+        let offset = first * self.page_size as u64;
+        let want = (self.len.saturating_sub(offset)).min(buf.len() as u64) as usize;
+        // O_DIRECT needs whole aligned blocks: read whole frames and let the
+        // kernel stop at end of file.
+        let ask = if self.direct { buf.len() } else { want };
+        let mut done = 0;
+        while done < ask {
+            match self.file.read_at(&mut buf[done..ask], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(source) => {
+                    return Err(BackingError::Read {
+                        offset: offset + done as u64,
+                        source,
+                    });
+                }
+            }
+        }
+        if done < want {
+            return Err(BackingError::ShortRead {
+                offset,
+                wanted: want,
+                got: done,
+            });
+        }
+        buf[want..].fill(0);
+        Ok(())
+    }
+
+    /// Read the pages from `first` into `bufs`, one whole frame each, with as
+    /// few `preadv` calls as the kernel allows. Bytes past the end of the file
+    /// are zeroed; a file that shrank under us is an error.
+    pub fn read_frames(&self, first: u64, bufs: &mut [&mut [u8]]) -> Result<(), BackingError> {
+        let offset = first * self.page_size as u64;
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let want = (self.len.saturating_sub(offset)).min(total as u64) as usize;
+        let ask = if self.direct { total } else { want };
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(bufs.len());
+        let mut left = ask;
+        for b in bufs.iter_mut() {
+            if left == 0 {
+                break;
+            }
+            let n = b.len().min(left);
+            iov.push(libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: n,
+            });
+            left -= n;
+        }
+        let mut done = 0usize;
+        let mut at = 0usize; // first iovec not yet full
+        while done < ask && at < iov.len() {
+            let cnt = (iov.len() - at).min(IOV_MAX) as libc::c_int;
+            // SAFETY: every iovec points into a distinct `&mut [u8]` borrowed
+            // from `bufs` for this call, with a length inside that slice; the
+            // fd is open for reading.
+            let n = unsafe {
+                libc::preadv(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                    iov[at..].as_ptr(),
+                    cnt,
+                    (offset + done as u64) as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(BackingError::Read {
+                    offset: offset + done as u64,
+                    source: e,
+                });
+            }
+            if n == 0 {
+                break;
+            }
+            let mut n = n as usize;
+            done += n;
+            while n > 0 && at < iov.len() {
+                let v = &mut iov[at];
+                if n >= v.iov_len {
+                    n -= v.iov_len;
+                    at += 1;
+                } else {
+                    v.iov_base = v.iov_base.wrapping_byte_add(n);
+                    v.iov_len -= n;
+                    n = 0;
+                }
+            }
+        }
+        if done < want {
+            return Err(BackingError::ShortRead {
+                offset,
+                wanted: want,
+                got: done,
+            });
+        }
+        let mut skip = want;
+        for b in bufs.iter_mut() {
+            let keep = skip.min(b.len());
+            b[keep..].fill(0);
+            skip -= keep;
+        }
+        Ok(())
+    }
+
+    /// Write `data` at byte `offset` of the file, then `fdatasync` if
+    /// configured. Returns only once the bytes are in the file.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), BackingError> {
+        if offset + data.len() as u64 > self.len {
+            return Err(BackingError::BeyondEnd {
+                offset,
+                len: data.len(),
+                file_len: self.len,
+            });
+        }
+        self.wfile
+            .write_all_at(data, offset)
+            .map_err(|source| BackingError::Write { offset, source })?;
+        if self.sync {
+            self.wfile
+                .sync_data()
+                .map_err(|source| BackingError::Sync { source })?;
+        }
+        Ok(())
+    }
+}

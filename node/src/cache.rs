@@ -1,0 +1,590 @@
+//! [`PageCache`]: one node's share of a big file in a lockless page cache.
+//!
+//! * Hit: [`Core::lookup`] (no lock; see [`crate::raw::index`]).
+//! * Miss: claim the page (single flight), read it and any readahead window
+//!   from the backing file into fresh frames with one `preadv`, publish and
+//!   gang-insert them, release the claim.
+//! * No free frame: a CLOCK sweep evicts unreferenced, unheld frames.
+//! * Write: claim the page, fill a fresh frame (copy-on-write), write the
+//!   bytes through to the backing file, swap the index entry, retire the old
+//!   frame, then acknowledge.
+
+use crate::backing::BackingFile;
+use crate::core::{Core, Lost, Sweep};
+use crate::error::{OpenError, ReadError, WriteError};
+use crate::flight::{Claim, Claimed, Flights};
+use crate::index::{Index, IndexKind, Lockless};
+use crate::layout::RegionLayout;
+use crate::raw::frames::Frames;
+use crate::raw::region::Region;
+use crate::stats::{Counter, Counters, Stats};
+use std::cell::Cell;
+use std::path::Path;
+
+/// How a cache is set up. Every field is documented in
+/// `node/etc/pagewire-node.example.toml`.
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    /// Bytes per page (power of two, 512 B ..= 1 MiB).
+    pub page_size: usize,
+    /// Frames in the cache (its capacity in pages).
+    pub frames: usize,
+    /// Read the backing file with O_DIRECT (bypass the kernel's page cache).
+    pub direct_io: bool,
+    /// `fdatasync` after each write-through, before the write is acknowledged.
+    pub sync_writes: bool,
+    /// Largest readahead window in pages (0 turns readahead off).
+    pub readahead_max: usize,
+    /// Frames a CLOCK sweep tries to free at once.
+    pub evict_batch: usize,
+    /// Bind the region to this NUMA node (needs feature `numa`).
+    pub numa_node: Option<usize>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 4096,
+            frames: 1 << 16,
+            direct_io: false,
+            sync_writes: false,
+            readahead_max: 32,
+            evict_batch: 32,
+            numa_node: None,
+        }
+    }
+}
+
+/// The registered memory of a cache: what a transport registers and what a
+/// remote reader decodes with [`crate::layout`].
+#[derive(Clone, Copy, Debug)]
+pub struct RegionView {
+    pub addr: *const u8,
+    pub len: usize,
+    pub layout: RegionLayout,
+}
+
+/// The outcome of evicting one page.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Evicted {
+    Yes,
+    /// A reader holds the page's frame.
+    Busy,
+    NotCached,
+}
+
+/// A page cache over one backing file, generic over its index variant.
+pub struct PageCache<I: Index = Lockless> {
+    core: Core<I>,
+    file: BackingFile,
+    flights: Flights,
+    stats: Counters,
+    cfg: CacheConfig,
+    pages: u64,
+    numa: crate::numa::Placement,
+}
+
+/// A reference to a cached page: the frame cannot be reused while it lives
+/// (zero-copy). Dropping it releases the frame.
+pub struct PageRef<'a> {
+    frames: &'a Frames,
+    frame: u32,
+    len: usize,
+}
+
+impl PageRef<'_> {
+    /// The frame holding the page.
+    pub fn frame(&self) -> u32 {
+        self.frame
+    }
+
+    /// The frame's generation (its incarnation).
+    pub fn generation(&self) -> u64 {
+        self.frames
+            .header(self.frame)
+            .generation
+            .load(crate::sync::Ordering::Relaxed)
+    }
+}
+
+impl std::ops::Deref for PageRef<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: we hold a reference on the frame (taken by a successful
+        // lookup or fault), so it is not freed or refilled until our drop;
+        // the slice borrows `self`, so it cannot outlive that reference.
+        unsafe { &self.frames.region().frame(self.frame)[..self.len] }
+    }
+}
+
+impl Drop for PageRef<'_> {
+    fn drop(&mut self) {
+        self.frames.put(self.frame);
+    }
+}
+
+thread_local! {
+    /// Per-thread sequential-fault detector: (cache id, next page, window).
+    static READAHEAD: Cell<(usize, u64, usize)> = const { Cell::new((0, u64::MAX, 0)) };
+}
+
+impl PageCache<Lockless> {
+    /// Open a cache with the lockless index.
+    pub fn open(path: &Path, cfg: CacheConfig) -> Result<Self, OpenError> {
+        Self::open_with(path, cfg)
+    }
+}
+
+impl<I: Index> PageCache<I> {
+    /// Open a cache with index variant `I`.
+    pub fn open_with(path: &Path, cfg: CacheConfig) -> Result<Self, OpenError> {
+        if cfg.frames == 0 {
+            return Err(OpenError::ZeroFrames(0));
+        }
+        if !cfg.page_size.is_power_of_two() || !(512..=1 << 20).contains(&cfg.page_size) {
+            return Err(OpenError::BadPageSize(cfg.page_size));
+        }
+        if cfg.frames >= u32::MAX as usize {
+            return Err(OpenError::TooManyFrames { frames: cfg.frames });
+        }
+        let file = BackingFile::open(path, cfg.page_size, cfg.direct_io, cfg.sync_writes)?;
+        let layout = RegionLayout::new(cfg.page_size, cfg.frames);
+        let region =
+            Region::new(layout, file.pages(), file.len()).map_err(|source| OpenError::Alloc {
+                len: layout.len,
+                source,
+            })?;
+        let (addr, len) = region.raw();
+        let numa = crate::numa::place(addr, len, cfg.numa_node);
+        let pages = file.pages();
+        Ok(Self {
+            core: Core::new(Frames::new(region)),
+            file,
+            flights: Flights::new(),
+            stats: Counters::new(),
+            cfg,
+            pages,
+            numa,
+        })
+    }
+
+    /// The index variant.
+    pub fn index_kind(&self) -> IndexKind {
+        I::KIND
+    }
+
+    /// Pages in the backing file.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.cfg.page_size
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// Frames not holding a page now.
+    pub fn free_frames(&self) -> usize {
+        self.core.frames.free_count()
+    }
+
+    /// Where the region's memory was placed.
+    pub fn placement(&self) -> &crate::numa::Placement {
+        &self.numa
+    }
+
+    /// The backing file.
+    pub fn backing(&self) -> &BackingFile {
+        &self.file
+    }
+
+    /// The registered region, for transports and remote readers.
+    pub fn region(&self) -> RegionView {
+        let (addr, len) = self.core.frames.region().raw();
+        RegionView {
+            addr,
+            len,
+            layout: *self.core.frames.region().layout(),
+        }
+    }
+
+    /// Announce a new node epoch in the superblock.
+    pub fn set_epoch(&self, epoch: u64) {
+        self.core.frames.region().set_epoch(epoch);
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.stats.snapshot()
+    }
+
+    fn check_page(&self, page: u64) -> Result<(), ReadError> {
+        if page >= self.pages {
+            return Err(ReadError::BeyondEnd {
+                page,
+                pages: self.pages,
+            });
+        }
+        Ok(())
+    }
+
+    fn page_ref(&self, page: u64, frame: u32) -> PageRef<'_> {
+        PageRef {
+            frames: &self.core.frames,
+            frame,
+            len: self.file.page_len(page),
+        }
+    }
+
+    /// The page if it is cached, without faulting it in.
+    #[inline]
+    pub fn lookup(&self, page: u64) -> Option<PageRef<'_>> {
+        let mut retries = 0;
+        let hit = self.core.lookup(page, &mut retries);
+        self.stats.add(Counter::Retries, retries);
+        let f = hit?;
+        self.stats.add(Counter::Hits, 1);
+        Some(self.page_ref(page, f))
+    }
+
+    /// The page, faulted in from the backing file on a miss (zero-copy).
+    #[inline]
+    pub fn get(&self, page: u64) -> Result<PageRef<'_>, ReadError> {
+        if let Some(r) = self.lookup(page) {
+            return Ok(r);
+        }
+        self.check_page(page)?;
+        let f = self.fault(page)?;
+        Ok(self.page_ref(page, f))
+    }
+
+    /// Copy the page into `buf` (at least the page's length); returns the
+    /// number of bytes copied.
+    pub fn read_into(&self, page: u64, buf: &mut [u8]) -> Result<usize, ReadError> {
+        let r = self.get(page)?;
+        let Some(dst) = buf.get_mut(..r.len()) else {
+            return Err(ReadError::BufferSize {
+                page,
+                need: r.len(),
+                got: buf.len(),
+            });
+        };
+        dst.copy_from_slice(&r);
+        Ok(r.len())
+    }
+
+    /// Copy `buf.len()` bytes of the page starting at `offset` into `buf`.
+    pub fn read_at(&self, page: u64, offset: usize, buf: &mut [u8]) -> Result<(), ReadError> {
+        let r = self.get(page)?;
+        let Some(src) = r.get(offset..offset.saturating_add(buf.len())) else {
+            return Err(ReadError::BufferSize {
+                page,
+                need: offset.saturating_add(buf.len()),
+                got: r.len(),
+            });
+        };
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Fault `page` in; returns its frame with a reference held.
+    #[cold]
+    fn fault(&self, page: u64) -> Result<u32, ReadError> {
+        self.stats.add(Counter::Misses, 1);
+        loop {
+            let claim = match self.flights.claim(page) {
+                Claimed::Now(c) => c,
+                Claimed::AfterWait(c) => {
+                    self.stats.add(Counter::FlightWaits, 1);
+                    c
+                }
+            };
+            // Someone may have filled it between our miss and our claim.
+            let mut retries = 0;
+            let hit = self.core.lookup(page, &mut retries);
+            self.stats.add(Counter::Retries, retries);
+            if let Some(f) = hit {
+                return Ok(f);
+            }
+            let ahead = self.readahead_window(page);
+            let mut claims = vec![claim];
+            for p in page + 1..(page + 1 + ahead as u64).min(self.pages) {
+                if self.is_cached(p) {
+                    break;
+                }
+                match self.flights.try_claim(p) {
+                    Some(c) => claims.push(c),
+                    None => break,
+                }
+            }
+            match self.fill_run(&claims) {
+                Ok(Some(f)) => {
+                    self.note_fault(page, claims.len());
+                    return Ok(f);
+                }
+                // Lost an insert race to a writer-allocated copy: look again.
+                Ok(None) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn is_cached(&self, page: u64) -> bool {
+        let mut retries = 0;
+        match self.core.lookup(page, &mut retries) {
+            Some(f) => {
+                self.core.frames.put(f);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Read the claimed run of pages into fresh frames and index them.
+    /// Returns the first page's frame with a reference held.
+    fn fill_run(&self, claims: &[Claim<'_>]) -> Result<Option<u32>, ReadError> {
+        let first = claims[0].page();
+        let mut frames = Vec::with_capacity(claims.len());
+        for i in 0..claims.len() {
+            match self.alloc_frame() {
+                Ok(f) => frames.push(f),
+                Err(e) if i == 0 => return Err(e),
+                Err(_) => break,
+            }
+        }
+        let region = self.core.frames.region();
+        let ps = self.cfg.page_size;
+        let read = {
+            let mut bufs: Vec<&mut [u8]> = Vec::with_capacity(frames.len());
+            for &f in &frames {
+                // SAFETY: each frame was just taken off the free list by
+                // `alloc_frame`: it is `Filling`, refcount 0, owned by us alone,
+                // and the frames are distinct, so the slices do not alias; each
+                // is `ps` bytes inside the live region.
+                bufs.push(unsafe { std::slice::from_raw_parts_mut(region.frame_ptr(f), ps) });
+            }
+            self.file.read_frames(first, &mut bufs)
+        };
+        if let Err(e) = read {
+            for f in frames {
+                self.core.frames.free_unpublished(f);
+            }
+            return Err(e.into());
+        }
+        self.stats.add(Counter::Faults, 1);
+        self.stats.add(Counter::PagesRead, frames.len() as u64);
+        self.stats.add(Counter::Readahead, frames.len() as u64 - 1);
+        let mut first_frame = None;
+        for (i, &f) in frames.iter().enumerate() {
+            let page = first + i as u64;
+            let len = self.file.page_len(page) as u32;
+            match self.core.insert_filled(page, f, len) {
+                Ok(f) if i == 0 => first_frame = Some(f),
+                Ok(f) => self.core.frames.put(f),
+                Err(Lost::Present) => {}
+                Err(Lost::NoRoom) if i == 0 => return Err(ReadError::IndexFull),
+                Err(Lost::NoRoom) => {}
+            }
+        }
+        Ok(first_frame)
+    }
+
+    /// Readahead: the window for a fault on `page` by this thread.
+    fn readahead_window(&self, page: u64) -> usize {
+        if self.cfg.readahead_max == 0 {
+            return 0;
+        }
+        let id = self as *const Self as usize;
+        READAHEAD.with(|ra| {
+            let (cache, next, window) = ra.get();
+            if cache == id && next == page {
+                (window * 2).clamp(2, self.cfg.readahead_max)
+            } else {
+                0
+            }
+        })
+    }
+
+    fn note_fault(&self, page: u64, read: usize) {
+        let id = self as *const Self as usize;
+        READAHEAD.with(|ra| ra.set((id, page + read as u64, read.saturating_sub(1))));
+    }
+
+    /// A free frame, evicting if there is none.
+    fn alloc_frame(&self) -> Result<u32, ReadError> {
+        for _ in 0..8 {
+            if let Some(f) = self.core.frames.alloc() {
+                return Ok(f);
+            }
+            self.reclaim(self.cfg.evict_batch.max(1));
+        }
+        self.core.frames.alloc().ok_or(ReadError::NoFrame)
+    }
+
+    /// CLOCK sweep: free up to `want` frames; gives up after two full turns.
+    pub fn reclaim(&self, want: usize) -> usize {
+        let (mut freed, mut busy) = (0, 0);
+        let n = self.core.frames.count();
+        for _ in 0..2 * n {
+            if freed >= want {
+                break;
+            }
+            match self.core.sweep(self.core.frames.clock_next()) {
+                Sweep::Evicted => freed += 1,
+                Sweep::Busy => busy += 1,
+                Sweep::SecondChance | Sweep::Skip => {}
+            }
+        }
+        self.stats.add(Counter::Evictions, freed as u64);
+        self.stats.add(Counter::EvictBusy, busy);
+        freed
+    }
+
+    /// Evict one page if it is cached and no reader holds it.
+    pub fn evict(&self, page: u64) -> Evicted {
+        let Some((f, generation)) = self.core.index.peek(&self.core.frames, page) else {
+            return Evicted::NotCached;
+        };
+        match self.core.remove_frame(page, f, generation) {
+            Sweep::Evicted => {
+                self.stats.add(Counter::Evictions, 1);
+                Evicted::Yes
+            }
+            Sweep::Busy => Evicted::Busy,
+            _ => Evicted::NotCached,
+        }
+    }
+
+    /// Evict `count` pages from `first`; returns (evicted, busy).
+    pub fn evict_range(&self, first: u64, count: u64) -> (u64, u64) {
+        let (mut yes, mut busy) = (0, 0);
+        for p in first..first.saturating_add(count).min(self.pages) {
+            match self.evict(p) {
+                Evicted::Yes => yes += 1,
+                Evicted::Busy => busy += 1,
+                Evicted::NotCached => {}
+            }
+        }
+        (yes, busy)
+    }
+
+    /// Fault in `count` pages from `first` (gang reads of up to the readahead
+    /// window, or 32 pages); pages already cached are skipped.
+    pub fn preload(&self, first: u64, count: u64) -> Result<u64, ReadError> {
+        let end = first.saturating_add(count).min(self.pages);
+        let run = self.cfg.readahead_max.max(32);
+        let mut p = first;
+        let mut loaded = 0;
+        while p < end {
+            if self.is_cached(p) {
+                p += 1;
+                continue;
+            }
+            let Some(claim) = self.flights.try_claim(p) else {
+                p += 1;
+                continue;
+            };
+            let mut claims = vec![claim];
+            while claims.len() < run {
+                let q = p + claims.len() as u64;
+                if q >= end || self.is_cached(q) {
+                    break;
+                }
+                match self.flights.try_claim(q) {
+                    Some(c) => claims.push(c),
+                    None => break,
+                }
+            }
+            let n = claims.len() as u64;
+            if let Some(f) = self.fill_run(&claims)? {
+                self.core.frames.put(f);
+            }
+            loaded += n;
+            p += n;
+        }
+        Ok(loaded)
+    }
+
+    /// Replace the whole page (`data.len()` must be the page's length).
+    pub fn write(&self, page: u64, data: &[u8]) -> Result<u64, WriteError> {
+        let len = self.write_len(page)?;
+        if data.len() != len {
+            return Err(WriteError::WrongLength {
+                page,
+                offset: 0,
+                got: data.len(),
+                len,
+            });
+        }
+        self.write_at(page, 0, data)
+    }
+
+    fn write_len(&self, page: u64) -> Result<usize, WriteError> {
+        if page >= self.pages {
+            return Err(WriteError::BeyondEnd {
+                page,
+                pages: self.pages,
+            });
+        }
+        Ok(self.file.page_len(page))
+    }
+
+    /// Write `data` at byte `offset` of `page`: copy-on-write into a fresh
+    /// frame, write through to the backing file (and `fdatasync` if
+    /// configured), publish, retire the old copy. Returns the new frame
+    /// generation once the write is durable in the file and visible to
+    /// every later reader.
+    pub fn write_at(&self, page: u64, offset: usize, data: &[u8]) -> Result<u64, WriteError> {
+        let len = self.write_len(page)?;
+        if offset.checked_add(data.len()).is_none_or(|end| end > len) {
+            return Err(WriteError::WrongLength {
+                page,
+                offset,
+                got: data.len(),
+                len,
+            });
+        }
+        let claim = self.flights.claim(page);
+        let f = self.alloc_frame()?;
+        let ps = self.cfg.page_size;
+        let whole = offset == 0 && data.len() == len;
+        let filled: Result<(), WriteError> = (|| {
+            let mut retries = 0;
+            let old = self.core.lookup(page, &mut retries);
+            let region = self.core.frames.region();
+            // SAFETY: `f` came from `alloc_frame`: `Filling`, owned by us.
+            unsafe {
+                region.fill(f, |dst| -> Result<(), WriteError> {
+                    if let Some(old) = old {
+                        // SAFETY: the lookup gave us a reference on `old`.
+                        region.read(old, |src| dst.copy_from_slice(src));
+                        self.core.frames.put(old);
+                    } else if !whole {
+                        self.file.read_run(page, &mut dst[..ps])?;
+                    }
+                    dst[offset..offset + data.len()].copy_from_slice(data);
+                    dst[len..].fill(0);
+                    Ok(())
+                })
+            }?;
+            self.file.write_at(page * ps as u64 + offset as u64, data)?;
+            Ok(())
+        })();
+        if let Err(e) = filled {
+            self.core.frames.free_unpublished(f);
+            return Err(e);
+        }
+        let generation = self
+            .core
+            .publish_cow(page, f, len as u32)
+            .map_err(|_| WriteError::IndexFull)?;
+        drop(claim);
+        self.stats.add(Counter::Writes, 1);
+        self.stats.add(Counter::BytesWritten, data.len() as u64);
+        Ok(generation)
+    }
+}

@@ -1,0 +1,442 @@
+//! Index variants behind one trait, so the benchmarks compare the lockless
+//! index with the locking designs that came before it:
+//!
+//! | variant    | readers                          | writers                         | history |
+//! |------------|----------------------------------|---------------------------------|---------|
+//! | `lockless` | no lock: get-unless-zero+recheck | per-bucket bit lock             | Piggin 2006, Zijlstra 2007 |
+//! | `rwlock`   | shared lock on one tree          | exclusive lock on the same tree | 2.6.12's `tree_lock` |
+//! | `mutex`    | one lock for everyone            | the same lock                   | the spinlock before it |
+//! | `sharded`  | shared lock on 1 of 64 trees     | exclusive lock on that tree     | the "multiple radix trees" proposal |
+//!
+//! All four keep the same frames and refcount protocol ([`raw::frames`]);
+//! only how the page → frame map is found and changed differs. Only the
+//! lockless index lives in the registered region and can be read remotely.
+
+use crate::raw::frames::{Frames, Freeze};
+use crate::raw::index::{Insert as RawInsert, RawIndex, Remove as RawRemove};
+use crate::sync::{Mutex, RwLock};
+use rustc_hash::FxHashMap;
+
+pub use crate::raw::frames::Frames as FrameTable;
+
+/// Which index a cache uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IndexKind {
+    Lockless,
+    RwLock,
+    Mutex,
+    Sharded,
+}
+
+impl IndexKind {
+    pub const ALL: [IndexKind; 4] = [
+        IndexKind::Lockless,
+        IndexKind::RwLock,
+        IndexKind::Mutex,
+        IndexKind::Sharded,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            IndexKind::Lockless => "lockless",
+            IndexKind::RwLock => "rwlock",
+            IndexKind::Mutex => "mutex",
+            IndexKind::Sharded => "sharded",
+        }
+    }
+}
+
+impl std::fmt::Display for IndexKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for IndexKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                format!("unknown index {s:?}: expected lockless, rwlock, mutex or sharded")
+            })
+    }
+}
+
+/// The outcome of inserting an entry.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Inserted {
+    Yes,
+    /// The page was already indexed; the new frame was not linked.
+    AlreadyPresent,
+    /// The index has no room (lockless overflow pool exhausted).
+    NoRoom,
+}
+
+/// The outcome of removing an entry.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Removed {
+    /// Unlinked, and the frame frozen: the caller frees it.
+    Yes,
+    /// A reader holds the frame.
+    Busy,
+    /// The index maps the page elsewhere or not at all.
+    Absent,
+}
+
+/// A page → frame index. Implemented by the four variants of this module;
+/// the methods are for [`crate::PageCache`], which owns the frames.
+pub trait Index: Send + Sync + 'static {
+    const KIND: IndexKind;
+
+    #[doc(hidden)]
+    fn create(frames: &FrameTable) -> Self;
+
+    /// Find `page` and take a reference on its frame.
+    #[doc(hidden)]
+    fn get(&self, frames: &FrameTable, page: u64, retries: &mut u64) -> Option<u32>;
+
+    /// Link `page → (frame, generation)`; the frame is published (refcount 1).
+    #[doc(hidden)]
+    fn insert(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted;
+
+    /// Link a run of pages starting at `first` (gang insertion). Reports each
+    /// page's outcome through `done`.
+    #[doc(hidden)]
+    fn insert_run(
+        &self,
+        frames: &FrameTable,
+        first: u64,
+        run: &[(u32, u64)],
+        done: &mut dyn FnMut(usize, Inserted),
+    ) {
+        for (i, &(f, g)) in run.iter().enumerate() {
+            done(i, self.insert(frames, first + i as u64, f, g));
+        }
+    }
+
+    /// Point `page` at a new frame; returns the frame it replaced, if any.
+    #[doc(hidden)]
+    fn replace(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u32>, Inserted>;
+
+    /// Unlink `page` if it maps to `frame` at `generation` and the frame
+    /// can be frozen.
+    #[doc(hidden)]
+    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed;
+
+    /// The frame indexed for `page`, without taking a reference.
+    #[doc(hidden)]
+    fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)>;
+}
+
+/// The lockless index (the default).
+pub struct Lockless(RawIndex);
+
+impl Index for Lockless {
+    const KIND: IndexKind = IndexKind::Lockless;
+
+    fn create(frames: &FrameTable) -> Self {
+        Self(RawIndex::new(frames))
+    }
+
+    #[inline]
+    fn get(&self, frames: &FrameTable, page: u64, retries: &mut u64) -> Option<u32> {
+        self.0.get(frames, page, retries)
+    }
+
+    fn insert(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
+        match self
+            .0
+            .insert(frames, page, crate::layout::val_of(frame, generation))
+        {
+            RawInsert::Inserted => Inserted::Yes,
+            RawInsert::Exists(_) => Inserted::AlreadyPresent,
+            RawInsert::Full => Inserted::NoRoom,
+        }
+    }
+
+    fn replace(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u32>, Inserted> {
+        self.0
+            .replace(frames, page, crate::layout::val_of(frame, generation))
+            .map(|old| old.map(crate::layout::val_frame))
+            .map_err(|()| Inserted::NoRoom)
+    }
+
+    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
+        match self
+            .0
+            .remove(frames, page, crate::layout::val_of(frame, generation))
+        {
+            RawRemove::Removed => Removed::Yes,
+            RawRemove::Busy => Removed::Busy,
+            RawRemove::Absent => Removed::Absent,
+        }
+    }
+
+    fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)> {
+        let val = self.0.peek(frames, page)?;
+        let f = crate::layout::val_frame(val);
+        Some((
+            f,
+            frames
+                .header(f)
+                .generation
+                .load(crate::sync::Ordering::Relaxed),
+        ))
+    }
+}
+
+impl Lockless {
+    /// Overflow buckets still in the pool.
+    pub fn overflow_free(&self) -> usize {
+        self.0.overflow_free()
+    }
+}
+
+type Map = FxHashMap<u64, (u32, u64)>;
+
+/// Operations shared by the lock-based variants, over a plain map that the
+/// caller has locked.
+fn map_get(map: &Map, frames: &Frames, page: u64) -> Option<u32> {
+    let &(f, _) = map.get(&page)?;
+    // The lock keeps the entry (and so the index's reference) in place: the
+    // refcount is at least 1 and may be raised without a CAS.
+    frames.get_more(f);
+    frames.touch(f);
+    Some(f)
+}
+
+fn map_insert(map: &mut Map, page: u64, frame: u32, generation: u64) -> Inserted {
+    match map.entry(page) {
+        std::collections::hash_map::Entry::Occupied(_) => Inserted::AlreadyPresent,
+        std::collections::hash_map::Entry::Vacant(v) => {
+            v.insert((frame, generation));
+            Inserted::Yes
+        }
+    }
+}
+
+fn map_remove(map: &mut Map, frames: &Frames, page: u64, frame: u32, generation: u64) -> Removed {
+    match map.get(&page) {
+        Some(&(f, g)) if f == frame && g == generation => {
+            if frames.freeze(f) == Freeze::Busy {
+                return Removed::Busy;
+            }
+            map.remove(&page);
+            Removed::Yes
+        }
+        _ => Removed::Absent,
+    }
+}
+
+fn map_with_capacity(frames: &Frames) -> Map {
+    let mut m = Map::default();
+    m.reserve(frames.count());
+    m
+}
+
+fn read<T>(l: &RwLock<T>) -> impl std::ops::Deref<Target = T> + '_ {
+    match l.read() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn write<T>(l: &RwLock<T>) -> impl std::ops::DerefMut<Target = T> + '_ {
+    match l.write() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// One tree under one reader-writer lock (2.6.12's `tree_lock`).
+pub struct RwLocked(RwLock<Map>);
+
+impl Index for RwLocked {
+    const KIND: IndexKind = IndexKind::RwLock;
+
+    fn create(frames: &FrameTable) -> Self {
+        Self(RwLock::new(map_with_capacity(frames)))
+    }
+
+    fn get(&self, frames: &FrameTable, page: u64, _: &mut u64) -> Option<u32> {
+        map_get(&read(&self.0), frames, page)
+    }
+
+    fn insert(&self, _: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
+        map_insert(&mut write(&self.0), page, frame, generation)
+    }
+
+    fn insert_run(
+        &self,
+        _: &FrameTable,
+        first: u64,
+        run: &[(u32, u64)],
+        done: &mut dyn FnMut(usize, Inserted),
+    ) {
+        let mut map = write(&self.0);
+        for (i, &(f, g)) in run.iter().enumerate() {
+            done(i, map_insert(&mut map, first + i as u64, f, g));
+        }
+    }
+
+    fn replace(
+        &self,
+        _: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u32>, Inserted> {
+        Ok(write(&self.0)
+            .insert(page, (frame, generation))
+            .map(|(f, _)| f))
+    }
+
+    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
+        map_remove(&mut write(&self.0), frames, page, frame, generation)
+    }
+
+    fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
+        read(&self.0).get(&page).copied()
+    }
+}
+
+/// One tree under one mutex (the spinlock before `tree_lock`).
+pub struct Mutexed(Mutex<Map>);
+
+impl Index for Mutexed {
+    const KIND: IndexKind = IndexKind::Mutex;
+
+    fn create(frames: &FrameTable) -> Self {
+        Self(Mutex::new(map_with_capacity(frames)))
+    }
+
+    fn get(&self, frames: &FrameTable, page: u64, _: &mut u64) -> Option<u32> {
+        map_get(&crate::sync::lock(&self.0), frames, page)
+    }
+
+    fn insert(&self, _: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
+        map_insert(&mut crate::sync::lock(&self.0), page, frame, generation)
+    }
+
+    fn insert_run(
+        &self,
+        _: &FrameTable,
+        first: u64,
+        run: &[(u32, u64)],
+        done: &mut dyn FnMut(usize, Inserted),
+    ) {
+        let mut map = crate::sync::lock(&self.0);
+        for (i, &(f, g)) in run.iter().enumerate() {
+            done(i, map_insert(&mut map, first + i as u64, f, g));
+        }
+    }
+
+    fn replace(
+        &self,
+        _: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u32>, Inserted> {
+        Ok(crate::sync::lock(&self.0)
+            .insert(page, (frame, generation))
+            .map(|(f, _)| f))
+    }
+
+    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
+        map_remove(
+            &mut crate::sync::lock(&self.0),
+            frames,
+            page,
+            frame,
+            generation,
+        )
+    }
+
+    fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
+        crate::sync::lock(&self.0).get(&page).copied()
+    }
+}
+
+/// Shards of the sharded index.
+pub const SHARDS: usize = 64;
+
+/// 64 independent trees, each under its own reader-writer lock.
+pub struct Sharded(Box<[crossbeam_utils::CachePadded<RwLock<Map>>]>);
+
+impl Sharded {
+    #[inline]
+    fn shard(&self, page: u64) -> &RwLock<Map> {
+        &self.0[crate::layout::bucket_of(page, SHARDS as u64) as usize]
+    }
+}
+
+impl Index for Sharded {
+    const KIND: IndexKind = IndexKind::Sharded;
+
+    fn create(frames: &FrameTable) -> Self {
+        let per = frames.count().div_ceil(SHARDS) * 2;
+        Self(
+            (0..SHARDS)
+                .map(|_| {
+                    let mut m = Map::default();
+                    m.reserve(per);
+                    crossbeam_utils::CachePadded::new(RwLock::new(m))
+                })
+                .collect(),
+        )
+    }
+
+    fn get(&self, frames: &FrameTable, page: u64, _: &mut u64) -> Option<u32> {
+        map_get(&read(self.shard(page)), frames, page)
+    }
+
+    fn insert(&self, _: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
+        map_insert(&mut write(self.shard(page)), page, frame, generation)
+    }
+
+    fn replace(
+        &self,
+        _: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u32>, Inserted> {
+        Ok(write(self.shard(page))
+            .insert(page, (frame, generation))
+            .map(|(f, _)| f))
+    }
+
+    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
+        map_remove(
+            &mut write(self.shard(page)),
+            frames,
+            page,
+            frame,
+            generation,
+        )
+    }
+
+    fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
+        read(self.shard(page)).get(&page).copied()
+    }
+}

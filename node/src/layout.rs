@@ -1,0 +1,346 @@
+//! The wire layout of a node's registered memory, version 1.
+//!
+//! Everything a remote reader needs to make sense of raw bytes copied out of a
+//! node by a one-sided READ lives here: offsets, encodings, the bucket hash and
+//! the frame checksum. Local code uses the same constants, so the two views can
+//! never drift apart. All integers are little-endian; every structure is
+//! 64 bytes and 64-byte aligned (one cache line), so a READ of one bucket or one
+//! header is one cache line.
+//!
+//! ```text
+//! region offset      size                 what
+//! 0                  4096                 superblock (one page; the rest is zero)
+//! index_offset       64 * bucket_count    bucket index (power-of-two count)
+//! overflow_offset    64 * overflow_count  overflow buckets, chained from the index
+//! headers_offset     64 * frame_count     frame header table
+//! arena_offset       page * frame_count   frame arena, aligned to max(page, 4096)
+//! ```
+//!
+//! Superblock (offsets in bytes): 0 magic `b"PAGEWIRE"`, 8 layout version
+//! (u32), 12 page size (u32), 16 bucket count, 24 overflow count, 32 frame
+//! count, 40 node epoch, 48 pages in the file, 56 file length in bytes,
+//! 64 index offset, 72 overflow offset, 80 headers offset, 88 arena offset,
+//! 96 region length (all u64).
+//!
+//! Bucket: 0 `ctrl` (u64: bit 0 writer lock, bits 1..32 change counter, bits
+//! 32..64 next overflow bucket + 1, 0 for none); then [`SLOTS_PER_BUCKET`]
+//! slots of 16 bytes at 8, 24, 40: `key` (u64, page number + 1, 0 when the slot
+//! is empty) and `val` (u64, frame index in bits 0..32, low 32 bits of the
+//! frame's generation in bits 32..64); 56 reserved (zero).
+//!
+//! Frame header: 0 page number, 8 generation, 16 checksum (all u64), 24 valid
+//! length (u32), 28 state (u32, see [`FrameState`]), 32 reference count (u32,
+//! local only), 36 flags (u32, local only), 40..64 reserved.
+//!
+//! A page `p` lives in bucket [`bucket_of`]`(p, bucket_count)` or in the
+//! overflow chain hanging from it. A frame's generation is its incarnation:
+//! it grows by one each time the frame is published again, so `(page,
+//! generation)` names one immutable content. The checksum is xxh3-64 over
+//! the 24-byte header prefix (page, generation, length; length as u64) followed
+//! by the whole frame (`page_size` bytes, zero past the valid length).
+
+/// Magic number at offset 0 of the superblock: the bytes `PAGEWIRE`.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"PAGEWIRE");
+/// The layout version this crate writes and reads.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Size of the superblock area at the start of the region.
+pub const SUPERBLOCK_SIZE: usize = 4096;
+/// Size of a bucket, a frame header and the alignment of both.
+pub const LINE: usize = 64;
+/// Slots (page → frame entries) per bucket.
+pub const SLOTS_PER_BUCKET: usize = 3;
+/// Byte offset of slot `i`'s key inside a bucket; its value follows at +8.
+pub const fn slot_offset(i: usize) -> usize {
+    8 + 16 * i
+}
+
+/// Superblock field offsets.
+pub mod sb {
+    pub const MAGIC: usize = 0;
+    pub const VERSION: usize = 8;
+    pub const PAGE_SIZE: usize = 12;
+    pub const BUCKET_COUNT: usize = 16;
+    pub const OVERFLOW_COUNT: usize = 24;
+    pub const FRAME_COUNT: usize = 32;
+    pub const NODE_EPOCH: usize = 40;
+    pub const FILE_PAGES: usize = 48;
+    pub const FILE_LEN: usize = 56;
+    pub const INDEX_OFFSET: usize = 64;
+    pub const OVERFLOW_OFFSET: usize = 72;
+    pub const HEADERS_OFFSET: usize = 80;
+    pub const ARENA_OFFSET: usize = 88;
+    pub const REGION_LEN: usize = 96;
+}
+
+/// Frame header field offsets.
+pub mod hdr {
+    pub const PAGE: usize = 0;
+    pub const GENERATION: usize = 8;
+    pub const CHECKSUM: usize = 16;
+    pub const LEN: usize = 24;
+    pub const STATE: usize = 28;
+    pub const REFCOUNT: usize = 32;
+    pub const FLAGS: usize = 36;
+}
+
+/// Bits of a bucket's `ctrl` word.
+pub mod ctrl {
+    /// Writer lock (held by an inserter, evictor or writer of this chain).
+    pub const LOCKED: u64 = 1;
+    /// One step of the change counter (bits 1..32).
+    pub const SEQ_ONE: u64 = 2;
+    /// Mask of the change counter.
+    pub const SEQ_MASK: u64 = 0xFFFF_FFFE;
+    /// Shift of the next-overflow field (bits 32..64).
+    pub const NEXT_SHIFT: u32 = 32;
+
+    /// The overflow bucket this one chains to, if any.
+    pub const fn next(ctrl: u64) -> Option<u32> {
+        let n = (ctrl >> NEXT_SHIFT) as u32;
+        if n == 0 { None } else { Some(n - 1) }
+    }
+
+    /// `ctrl` with its next field set to `next`.
+    pub const fn with_next(ctrl: u64, next: Option<u32>) -> u64 {
+        let n = match next {
+            Some(i) => i as u64 + 1,
+            None => 0,
+        };
+        (ctrl & 0xFFFF_FFFF) | (n << NEXT_SHIFT)
+    }
+}
+
+/// The state of a frame, at header offset 28.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum FrameState {
+    /// On the free list; its bytes mean nothing.
+    Free = 0,
+    /// Owned by one inserter or writer that is filling it; not yet in the index.
+    Filling = 1,
+    /// In the index; header and bytes are immutable until it leaves.
+    Published = 2,
+    /// Replaced by a newer copy (copy-on-write) or dropped; waiting for its
+    /// last reader. Never valid for a remote reader.
+    Retired = 3,
+}
+
+impl FrameState {
+    /// Decode a state word; unknown values are `None`.
+    pub const fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::Free),
+            1 => Some(Self::Filling),
+            2 => Some(Self::Published),
+            3 => Some(Self::Retired),
+            _ => None,
+        }
+    }
+}
+
+/// The bucket holding `page` in an index of `bucket_count` buckets (a power of
+/// two, at least 2): Fibonacci hashing, the top bits of `page * 2^64/φ`.
+#[inline]
+pub const fn bucket_of(page: u64, bucket_count: u64) -> u64 {
+    let bits = bucket_count.trailing_zeros();
+    page.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)
+}
+
+/// A slot key for `page`.
+#[inline]
+pub const fn key_of(page: u64) -> u64 {
+    page.wrapping_add(1)
+}
+
+/// A slot value: frame index and the low half of its generation.
+#[inline]
+pub const fn val_of(frame: u32, generation: u64) -> u64 {
+    frame as u64 | ((generation as u32 as u64) << 32)
+}
+
+/// The frame index of a slot value.
+#[inline]
+pub const fn val_frame(val: u64) -> u32 {
+    val as u32
+}
+
+/// The low 32 bits of the generation in a slot value.
+#[inline]
+pub const fn val_gen32(val: u64) -> u32 {
+    (val >> 32) as u32
+}
+
+/// The frame checksum: xxh3-64 over (page, generation, len) and the frame bytes.
+pub fn checksum(page: u64, generation: u64, len: u32, frame: &[u8]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&page.to_le_bytes());
+    h.update(&generation.to_le_bytes());
+    h.update(&(len as u64).to_le_bytes());
+    h.update(frame);
+    h.digest()
+}
+
+/// The byte offsets of one region's parts, derived from its sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionLayout {
+    pub page_size: usize,
+    pub bucket_count: usize,
+    pub overflow_count: usize,
+    pub frame_count: usize,
+    pub index_offset: usize,
+    pub overflow_offset: usize,
+    pub headers_offset: usize,
+    pub arena_offset: usize,
+    pub len: usize,
+}
+
+impl RegionLayout {
+    /// Lay out a region for `frame_count` frames of `page_size` bytes.
+    ///
+    /// The index gets one bucket per frame rounded up to a power of two
+    /// (three slots each, so at most a third full), and enough overflow
+    /// buckets that an insert can never run out of them: every entry names a
+    /// distinct frame, each chain wastes at most two slots of its last bucket.
+    pub fn new(page_size: usize, frame_count: usize) -> Self {
+        let bucket_count = frame_count.next_power_of_two().max(2);
+        let overflow_count =
+            frame_count.div_ceil(SLOTS_PER_BUCKET) + bucket_count.min(frame_count) + 64;
+        let index_offset = SUPERBLOCK_SIZE;
+        let overflow_offset = index_offset + bucket_count * LINE;
+        let headers_offset = overflow_offset + overflow_count * LINE;
+        let align = page_size.max(4096);
+        let arena_offset = (headers_offset + frame_count * LINE).next_multiple_of(align);
+        let len = arena_offset + frame_count * page_size;
+        Self {
+            page_size,
+            bucket_count,
+            overflow_count,
+            frame_count,
+            index_offset,
+            overflow_offset,
+            headers_offset,
+            arena_offset,
+            len,
+        }
+    }
+
+    /// Offset of bucket `b` in the region.
+    pub const fn bucket(&self, b: usize) -> usize {
+        self.index_offset + b * LINE
+    }
+
+    /// Offset of overflow bucket `o` in the region.
+    pub const fn overflow(&self, o: usize) -> usize {
+        self.overflow_offset + o * LINE
+    }
+
+    /// Offset of frame `f`'s header in the region.
+    pub const fn header(&self, f: usize) -> usize {
+        self.headers_offset + f * LINE
+    }
+
+    /// Offset of frame `f`'s bytes in the region.
+    pub const fn frame(&self, f: usize) -> usize {
+        self.arena_offset + f * self.page_size
+    }
+}
+
+/// A frame header decoded from raw bytes (as a remote reader copies it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawHeader {
+    pub page: u64,
+    pub generation: u64,
+    pub checksum: u64,
+    pub len: u32,
+    pub state: u32,
+}
+
+impl RawHeader {
+    /// Decode the first 32 bytes of a header. `bytes` must hold at least 32.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let u64_at = |o: usize| {
+            bytes
+                .get(o..o + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+        };
+        let u32_at = |o: usize| {
+            bytes
+                .get(o..o + 4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap_or([0; 4])))
+        };
+        Some(Self {
+            page: u64_at(hdr::PAGE)?,
+            generation: u64_at(hdr::GENERATION)?,
+            checksum: u64_at(hdr::CHECKSUM)?,
+            len: u32_at(hdr::LEN)?,
+            state: u32_at(hdr::STATE)?,
+        })
+    }
+
+    /// Does this header, with these frame bytes, prove the frame holds
+    /// `page` at `generation`? This is the remote reader's whole validation.
+    pub fn validates(&self, page: u64, generation: u64, frame: &[u8]) -> bool {
+        self.state == FrameState::Published as u32
+            && self.page == page
+            && self.generation == generation
+            && self.checksum == checksum(self.page, self.generation, self.len, frame)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_is_aligned_and_disjoint() {
+        for (ps, n) in [(4096, 1), (4096, 1000), (512, 7), (65536, 33)] {
+            let l = RegionLayout::new(ps, n);
+            assert!(l.bucket_count.is_power_of_two());
+            assert_eq!(l.index_offset % LINE, 0);
+            assert_eq!(l.headers_offset % LINE, 0);
+            assert_eq!(l.arena_offset % ps.max(4096), 0);
+            assert!(l.overflow_offset >= l.index_offset + l.bucket_count * LINE);
+            assert!(l.headers_offset >= l.overflow_offset + l.overflow_count * LINE);
+            assert!(l.arena_offset >= l.headers_offset + n * LINE);
+            assert_eq!(l.len, l.frame(n));
+        }
+    }
+
+    #[test]
+    fn bucket_hash_spreads_sequential_pages() {
+        let n = 1024u64;
+        let mut counts = vec![0u32; n as usize];
+        for p in 0..n {
+            counts[bucket_of(p, n) as usize] += 1;
+        }
+        // Fibonacci hashing of a run is close to a permutation.
+        assert!(counts.iter().all(|&c| c <= 2), "{counts:?}");
+    }
+
+    #[test]
+    fn ctrl_next_round_trips() {
+        let c = ctrl::with_next(ctrl::LOCKED | 6, Some(41));
+        assert_eq!(ctrl::next(c), Some(41));
+        assert_eq!(c & 0xFFFF_FFFF, ctrl::LOCKED | 6);
+        assert_eq!(ctrl::next(ctrl::with_next(c, None)), None);
+    }
+
+    #[test]
+    fn header_validation_needs_every_field() {
+        let frame = vec![7u8; 64];
+        let good = RawHeader {
+            page: 3,
+            generation: 9,
+            checksum: checksum(3, 9, 64, &frame),
+            len: 64,
+            state: 2,
+        };
+        assert!(good.validates(3, 9, &frame));
+        assert!(!good.validates(4, 9, &frame));
+        assert!(!good.validates(3, 8, &frame));
+        assert!(!RawHeader { state: 3, ..good }.validates(3, 9, &frame));
+        let mut torn = frame.clone();
+        torn[63] = 8;
+        assert!(!good.validates(3, 9, &torn));
+    }
+}

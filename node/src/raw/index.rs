@@ -1,0 +1,398 @@
+//! The lockless bucket index: page number → (frame, generation), searched by
+//! readers with plain atomic loads, changed by writers under a per-chain bit
+//! lock (Zijlstra's "lock only what changes").
+//!
+//! # State
+//!
+//! `bucket_count` head buckets (a power of two) and a pool of overflow
+//! buckets, all in the registered region (byte layout in [`crate::layout`]).
+//! A head's `ctrl` word holds the chain's writer lock (bit 0), a change
+//! counter (bits 1..32) and the next overflow bucket (bits 32..64, +1). An
+//! overflow bucket's `ctrl` holds only its next link. A slot holds `key` =
+//! page + 1 (0 = empty) and `val` = frame | generation-low-32 << 32.
+//!
+//! # Fields
+//!
+//! * Slots and links of a chain change only under the head's lock.
+//! * Readers load `ctrl`, `key` and `val` without any lock, and run the
+//!   frame protocol of [`super::frames`] on what they find.
+//! * An overflow bucket is taken from the pool under the lock of the chain
+//!   that links it, and returned to the pool through crossbeam-epoch once it
+//!   is empty and unlinked, so no pinned reader still walks it when it is
+//!   reused for another chain.
+//!
+//! # Transitions (all under the head's lock)
+//!
+//! 1. Insert: store `val`, then `key` (Release) into an empty slot; if the
+//!    chain is full, fill a pool bucket and link it right after the head.
+//! 2. Replace (copy-on-write publish): store the new `val` (Release) in the
+//!    slot that holds the key.
+//! 3. Remove (evict): freeze the frame's refcount (1 → 0), then store
+//!    `key = 0` (Release). An overflow bucket left empty is unlinked
+//!    (Release store of its predecessor's link) and deferred to the pool.
+//! 4. Unlock: store `ctrl` with the lock bit clear and the counter bumped
+//!    (Release), publishing any new link.
+//!
+//! # Ordering
+//!
+//! * Lookup loads `ctrl` (Acquire; pairs with the Release unlock or link
+//!   store that published an overflow bucket), then `key` (Acquire; pairs
+//!   with the Release key store of transition 1, so `val` is the one written
+//!   with it or a later one) and `val` (Acquire; pairs with transition 2).
+//! * The recheck after `try_get` reloads `key` and `val`; the Acquire CAS of
+//!   `try_get` keeps those loads after it.
+//! * A reader pins the epoch *before* it loads a link to an overflow bucket,
+//!   so an unlinked bucket cannot be recycled under it.
+//!
+//! # Critical interleavings
+//!
+//! * Lookup reads `key` of one insert and `val` of a later reuse of the slot
+//!   (torn entry): the frame it names holds another page, or the recheck
+//!   sees the slot changed; either way the reader retries.
+//! * Lookup races an evict of the same page: the reader's `try_get` either
+//!   beats the freeze (eviction skips the frame) or sees 0 (retry; the slot
+//!   is then empty: a miss).
+//! * Two inserts of one page: both take the head lock in turn; the second
+//!   finds the key and gets [`Err`] with the winner's entry.
+//! * A reader inside an overflow bucket that is emptied and unlinked: it is
+//!   pinned, so the bucket is not reused; it sees empty slots (a miss, or the
+//!   recheck fails) and the fault path resolves the miss under the lock.
+
+use super::frames::{Frames, FreeList, Freeze};
+use super::{Bucket, Slot};
+use crate::layout::{self, ctrl, key_of, val_frame, val_gen32};
+use crate::sync::Ordering;
+use std::sync::Arc;
+
+/// The outcome of removing an entry.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Remove {
+    /// The entry was removed and its frame frozen: the caller must free it.
+    Removed,
+    /// A reader holds the frame; nothing changed.
+    Busy,
+    /// The index does not map the page to that frame (any more).
+    Absent,
+}
+
+/// The outcome of an insert.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Insert {
+    Inserted,
+    /// The page is already present with this slot value.
+    Exists(u64),
+    /// No overflow bucket left (cannot happen with a [`layout::RegionLayout`]
+    /// pool and a bounded number of frames; reported rather than assumed).
+    Full,
+}
+
+/// Lockless index state beyond the region: the pool of overflow buckets.
+pub(crate) struct RawIndex {
+    pool: Arc<FreeList>,
+}
+
+/// A held chain lock; unlocks on drop, bumping the change counter.
+struct Locked<'a> {
+    head: &'a Bucket,
+    ctrl: u64,
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let next = (self.ctrl & !ctrl::LOCKED & !ctrl::SEQ_MASK)
+            | ((self.ctrl & ctrl::SEQ_MASK).wrapping_add(ctrl::SEQ_ONE) & ctrl::SEQ_MASK);
+        // Release: publishes slot changes and a new overflow link (pairs with
+        // the Acquire ctrl load of lookups and of the next locker).
+        self.head.ctrl.store(next, Ordering::Release);
+    }
+}
+
+impl RawIndex {
+    pub(crate) fn new(frames: &Frames) -> Self {
+        Self {
+            pool: Arc::new(FreeList::full(frames.region().layout().overflow_count)),
+        }
+    }
+
+    #[inline]
+    fn head<'a>(frames: &'a Frames, page: u64) -> &'a Bucket {
+        let buckets = frames.region().buckets();
+        &buckets[layout::bucket_of(page, buckets.len() as u64) as usize]
+    }
+
+    #[inline]
+    fn overflow(frames: &Frames, o: u32) -> &Bucket {
+        &frames.region().overflow()[o as usize]
+    }
+
+    fn lock<'a>(frames: &'a Frames, page: u64) -> Locked<'a> {
+        let head = Self::head(frames, page);
+        let backoff = crossbeam_utils::Backoff::new();
+        let mut cur = head.ctrl.load(Ordering::Relaxed);
+        loop {
+            if cur & ctrl::LOCKED == 0 {
+                // Acquire: pairs with the previous holder's Release unlock.
+                match head.ctrl.compare_exchange_weak(
+                    cur,
+                    cur | ctrl::LOCKED,
+                    Ordering::Acquire,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        return Locked {
+                            head,
+                            ctrl: cur | ctrl::LOCKED,
+                        };
+                    }
+                    Err(now) => cur = now,
+                }
+            } else {
+                crate::sync::spin_wait(&backoff);
+                cur = head.ctrl.load(Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Scan one bucket's slots for `key`.
+    #[inline]
+    fn scan(b: &Bucket, key: u64) -> Option<(&Slot, u64)> {
+        for s in &b.slots {
+            // Acquire: pairs with the Release key store of an insert.
+            if s.key.load(Ordering::Acquire) == key {
+                // Acquire: pairs with the Release val store of a replace.
+                return Some((s, s.val.load(Ordering::Acquire)));
+            }
+        }
+        None
+    }
+
+    /// Lookup with Piggin's protocol. Returns the frame, with a reference the
+    /// caller must `put`, or `None` on a miss. `retries` counts failed
+    /// rechecks and lost races.
+    #[inline]
+    pub(crate) fn get(&self, frames: &Frames, page: u64, retries: &mut u64) -> Option<u32> {
+        let key = key_of(page);
+        let head = Self::head(frames, page);
+        loop {
+            if let Some((slot, val)) = Self::scan(head, key) {
+                match Self::try_slot(frames, page, key, slot, val) {
+                    Some(f) => return Some(f),
+                    None => {
+                        *retries += 1;
+                        continue;
+                    }
+                }
+            }
+            // Acquire: pairs with the Release store that linked a bucket.
+            if ctrl::next(head.ctrl.load(Ordering::Acquire)).is_none() {
+                return None;
+            }
+            // Pin before loading the link again: an unlinked overflow bucket
+            // is recycled only after every guard pinned before its unlink.
+            let guard = crossbeam_epoch::pin();
+            let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
+            let mut found = None;
+            while let Some(o) = next {
+                let b = Self::overflow(frames, o);
+                if let Some(hit) = Self::scan(b, key) {
+                    found = Some(hit);
+                    break;
+                }
+                next = ctrl::next(b.ctrl.load(Ordering::Acquire));
+            }
+            let Some((slot, val)) = found else {
+                return None;
+            };
+            let got = Self::try_slot(frames, page, key, slot, val);
+            drop(guard);
+            match got {
+                Some(f) => return Some(f),
+                None => *retries += 1,
+            }
+        }
+    }
+
+    /// Steps 2–4 of the protocol on one candidate slot: get unless zero,
+    /// recheck header and slot, or drop and report failure.
+    #[inline]
+    fn try_slot(frames: &Frames, page: u64, key: u64, slot: &Slot, val: u64) -> Option<u32> {
+        let f = val_frame(val);
+        if f as usize >= frames.count() || !frames.try_get(f) {
+            return None;
+        }
+        let h = frames.header(f);
+        // The refcount we hold pins this incarnation: header fields are stable.
+        let ok = h.page.load(Ordering::Relaxed) == page
+            && h.generation.load(Ordering::Relaxed) as u32 == val_gen32(val)
+            && h.state.load(Ordering::Relaxed) == layout::FrameState::Published as u32
+            // Acquire: after our Acquire CAS; see the slot as of now.
+            && slot.key.load(Ordering::Acquire) == key
+            && slot.val.load(Ordering::Acquire) == val;
+        if ok {
+            frames.touch(f);
+            Some(f)
+        } else {
+            frames.put(f);
+            None
+        }
+    }
+
+    /// Walk a locked chain; `visit` gets each bucket and whether it is the head.
+    fn find_locked<'a>(frames: &'a Frames, locked: &Locked<'a>, key: u64) -> Option<&'a Slot> {
+        if let Some((s, _)) = Self::scan(locked.head, key) {
+            return Some(s);
+        }
+        let mut next = ctrl::next(locked.ctrl);
+        while let Some(o) = next {
+            let b = Self::overflow(frames, o);
+            if let Some((s, _)) = Self::scan(b, key) {
+                return Some(s);
+            }
+            next = ctrl::next(b.ctrl.load(Ordering::Relaxed));
+        }
+        None
+    }
+
+    fn empty_slot_locked<'a>(frames: &'a Frames, locked: &Locked<'a>) -> Option<&'a Slot> {
+        let empty = |b: &'a Bucket| b.slots.iter().find(|s| s.key.load(Ordering::Relaxed) == 0);
+        if let Some(s) = empty(locked.head) {
+            return Some(s);
+        }
+        let mut next = ctrl::next(locked.ctrl);
+        while let Some(o) = next {
+            let b = Self::overflow(frames, o);
+            if let Some(s) = empty(b) {
+                return Some(s);
+            }
+            next = ctrl::next(b.ctrl.load(Ordering::Relaxed));
+        }
+        None
+    }
+
+    /// Put `key → val` into a free slot of the locked chain (transition 1).
+    fn place(&self, frames: &Frames, locked: &mut Locked<'_>, key: u64, val: u64) -> Insert {
+        if let Some(s) = Self::empty_slot_locked(frames, locked) {
+            s.val.store(val, Ordering::Relaxed);
+            // Release: a reader that sees the key sees the val stored above.
+            s.key.store(key, Ordering::Release);
+            return Insert::Inserted;
+        }
+        let Some(o) = self.pool.pop() else {
+            return Insert::Full;
+        };
+        let b = Self::overflow(frames, o);
+        for s in &b.slots[1..] {
+            s.key.store(0, Ordering::Relaxed);
+        }
+        b.slots[0].val.store(val, Ordering::Relaxed);
+        b.slots[0].key.store(key, Ordering::Relaxed);
+        b.ctrl.store(
+            ctrl::with_next(0, ctrl::next(locked.ctrl)),
+            Ordering::Relaxed,
+        );
+        // Published by the Release unlock of the head.
+        locked.ctrl = ctrl::with_next(locked.ctrl, Some(o));
+        Insert::Inserted
+    }
+
+    /// Insert `page → (frame, generation)` unless the page is present.
+    pub(crate) fn insert(&self, frames: &Frames, page: u64, val: u64) -> Insert {
+        let key = key_of(page);
+        let mut locked = Self::lock(frames, page);
+        if let Some(s) = Self::find_locked(frames, &locked, key) {
+            return Insert::Exists(s.val.load(Ordering::Relaxed));
+        }
+        self.place(frames, &mut locked, key, val)
+    }
+
+    /// Swap the entry of `page` to `val` (transition 2), or insert it.
+    /// Returns the replaced slot value, if any.
+    pub(crate) fn replace(&self, frames: &Frames, page: u64, val: u64) -> Result<Option<u64>, ()> {
+        let key = key_of(page);
+        let mut locked = Self::lock(frames, page);
+        if let Some(s) = Self::find_locked(frames, &locked, key) {
+            let old = s.val.load(Ordering::Relaxed);
+            // Release: the new frame's header and bytes are visible to a
+            // reader that loads this val (it also gets the frame's refcount).
+            s.val.store(val, Ordering::Release);
+            return Ok(Some(old));
+        }
+        match self.place(frames, &mut locked, key, val) {
+            Insert::Inserted => Ok(None),
+            _ => Err(()),
+        }
+    }
+
+    /// Remove `page → val` if the index still holds exactly that entry and
+    /// the frame can be frozen (transition 3).
+    pub(crate) fn remove(&self, frames: &Frames, page: u64, val: u64) -> Remove {
+        let key = key_of(page);
+        let mut locked = Self::lock(frames, page);
+        // Find the slot, remembering the bucket and its predecessor.
+        let mut prev: Option<&Bucket> = None;
+        let mut here: &Bucket = locked.head;
+        let mut here_idx: Option<u32> = None;
+        loop {
+            if let Some((s, v)) = Self::scan(here, key) {
+                if v != val {
+                    return Remove::Absent;
+                }
+                if frames.freeze(val_frame(val)) == Freeze::Busy {
+                    return Remove::Busy;
+                }
+                // Release: pairs with the recheck's Acquire load of the key.
+                s.key.store(0, Ordering::Release);
+                if let Some(o) = here_idx
+                    && here
+                        .slots
+                        .iter()
+                        .all(|s| s.key.load(Ordering::Relaxed) == 0)
+                {
+                    self.unlink(&mut locked, prev, here, o);
+                }
+                return Remove::Removed;
+            }
+            let next = match here_idx {
+                None => ctrl::next(locked.ctrl),
+                Some(_) => ctrl::next(here.ctrl.load(Ordering::Relaxed)),
+            };
+            let Some(o) = next else {
+                return Remove::Absent;
+            };
+            prev = Some(here);
+            here = Self::overflow(frames, o);
+            here_idx = Some(o);
+        }
+    }
+
+    /// Unlink the empty overflow bucket `o` and recycle it after a grace period.
+    fn unlink(&self, locked: &mut Locked<'_>, prev: Option<&Bucket>, b: &Bucket, o: u32) {
+        let after = ctrl::next(b.ctrl.load(Ordering::Relaxed));
+        match prev {
+            Some(p) if !std::ptr::eq(p, locked.head) => {
+                let pc = p.ctrl.load(Ordering::Relaxed);
+                // Release: readers that follow the new link see a complete bucket.
+                p.ctrl.store(ctrl::with_next(pc, after), Ordering::Release);
+            }
+            _ => locked.ctrl = ctrl::with_next(locked.ctrl, after),
+        }
+        let pool = Arc::clone(&self.pool);
+        let guard = crossbeam_epoch::pin();
+        // Recycled only once every reader pinned before now has unpinned.
+        guard.defer(move || pool.push(o));
+    }
+
+    /// Overflow buckets in the pool (for tests and stats).
+    pub(crate) fn overflow_free(&self) -> usize {
+        self.pool.len()
+    }
+
+    /// The slot value indexed for `page` right now, if any (no reference).
+    pub(crate) fn peek(&self, frames: &Frames, page: u64) -> Option<u64> {
+        let key = key_of(page);
+        let locked = Self::lock(frames, page);
+        Self::find_locked(frames, &locked, key).map(|s| s.val.load(Ordering::Relaxed))
+    }
+}

@@ -1,0 +1,41 @@
+//! The synchronisation shim: std atomics and locks normally, loom's under `--cfg loom`.
+//!
+//! Every lock-free structure of this crate takes its atomics from here, so the
+//! loom models in `tests/loom.rs` explore the very code that ships. Run them with
+//! both cfgs (crossbeam-epoch only becomes loom-aware with `crossbeam_loom`):
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom --cfg crossbeam_loom" cargo test -p pagewire-node --release --test loom
+//! ```
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+#[cfg(loom)]
+pub(crate) use loom::sync::{Condvar, Mutex, MutexGuard, RwLock};
+
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+#[cfg(not(loom))]
+pub(crate) use std::sync::{Condvar, Mutex, MutexGuard, RwLock};
+
+/// Spin (or, under loom, yield to the model) while waiting for a bit lock.
+#[inline]
+pub(crate) fn spin_wait(backoff: &crossbeam_utils::Backoff) {
+    #[cfg(loom)]
+    {
+        let _ = backoff;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    backoff.snooze();
+}
+
+/// Lock a mutex, taking the data even if a panicking thread poisoned it: every
+/// structure guarded this way is left consistent at each unlock point.
+#[inline]
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}

@@ -1,0 +1,291 @@
+//! Behaviour of the page cache through its public API, for every index variant.
+
+use pagewire_node::index::{Index, Lockless, Mutexed, RwLocked, Sharded};
+use pagewire_node::{CacheConfig, Evicted, OpenError, PageCache, ReadError, WriteError, pattern};
+use std::path::PathBuf;
+
+const PS: usize = 4096;
+
+fn file(pages: u64, extra: u64) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data");
+    pattern::generate_file(&path, pages * PS as u64 + extra, PS).unwrap();
+    (dir, path)
+}
+
+fn cfg(frames: usize) -> CacheConfig {
+    CacheConfig {
+        frames,
+        ..CacheConfig::default()
+    }
+}
+
+fn each_variant(test: fn(&dyn Fn(&std::path::Path, CacheConfig) -> Box<dyn Cache>)) {
+    test(&|p, c| Box::new(PageCache::<Lockless>::open_with(p, c).unwrap()));
+    test(&|p, c| Box::new(PageCache::<RwLocked>::open_with(p, c).unwrap()));
+    test(&|p, c| Box::new(PageCache::<Mutexed>::open_with(p, c).unwrap()));
+    test(&|p, c| Box::new(PageCache::<Sharded>::open_with(p, c).unwrap()));
+}
+
+/// The operations the tests use, object-safe so one test covers all variants.
+trait Cache {
+    fn read(&self, page: u64) -> Result<Vec<u8>, ReadError>;
+    fn cached(&self, page: u64) -> bool;
+    fn write(&self, page: u64, data: &[u8]) -> Result<u64, WriteError>;
+    fn write_at(&self, page: u64, off: usize, data: &[u8]) -> Result<u64, WriteError>;
+    fn evict(&self, page: u64) -> Evicted;
+    fn stats(&self) -> pagewire_node::Stats;
+}
+
+impl<I: Index> Cache for PageCache<I> {
+    fn read(&self, page: u64) -> Result<Vec<u8>, ReadError> {
+        Ok(self.get(page)?.to_vec())
+    }
+    fn cached(&self, page: u64) -> bool {
+        self.lookup(page).is_some()
+    }
+    fn write(&self, page: u64, data: &[u8]) -> Result<u64, WriteError> {
+        PageCache::write(self, page, data)
+    }
+    fn write_at(&self, page: u64, off: usize, data: &[u8]) -> Result<u64, WriteError> {
+        PageCache::write_at(self, page, off, data)
+    }
+    fn evict(&self, page: u64) -> Evicted {
+        PageCache::evict(self, page)
+    }
+    fn stats(&self) -> pagewire_node::Stats {
+        PageCache::stats(self)
+    }
+}
+
+#[test]
+fn faults_in_and_hits() {
+    each_variant(|open| {
+        let (_d, path) = file(64, 0);
+        let c = open(&path, cfg(16));
+        for p in [0, 5, 63] {
+            let bytes = c.read(p).unwrap();
+            assert_eq!(pattern::verify(p, &bytes), Ok(0));
+        }
+        assert!(c.cached(5));
+        let s = c.stats();
+        assert_eq!(s.misses, 3);
+        assert!(s.hits >= 1);
+    });
+}
+
+#[test]
+fn more_pages_than_frames_evicts_and_stays_correct() {
+    each_variant(|open| {
+        let (_d, path) = file(200, 0);
+        let c = open(&path, cfg(8));
+        for round in 0..3 {
+            for p in 0..200 {
+                let bytes = c.read(p).unwrap();
+                assert_eq!(pattern::verify(p, &bytes), Ok(0), "round {round} page {p}");
+            }
+        }
+        assert!(c.stats().evictions > 0);
+    });
+}
+
+#[test]
+fn sequential_faults_read_ahead() {
+    let (_d, path) = file(256, 0);
+    let c = PageCache::open(&path, cfg(256)).unwrap();
+    for p in 0..256 {
+        pattern::verify(p, &c.get(p).unwrap()).unwrap();
+    }
+    let s = c.stats();
+    assert!(s.readahead > 100, "readahead {s:?}");
+    assert!(s.faults < 64, "one backing read per window, got {s:?}");
+}
+
+#[test]
+fn writes_are_copy_on_write_and_written_through() {
+    each_variant(|open| {
+        let (_d, path) = file(8, 0);
+        let c = open(&path, cfg(4));
+        let old = c.read(3).unwrap();
+        let mut new = vec![0u8; PS];
+        pattern::fill(3, 1, &mut new);
+        c.write(3, &new).unwrap();
+        assert_eq!(pattern::verify(3, &c.read(3).unwrap()), Ok(1));
+        assert_eq!(
+            pattern::verify(3, &old),
+            Ok(0),
+            "a reader's old copy is not changed under it"
+        );
+        // Write-through: the file has it, even after eviction.
+        assert_eq!(c.evict(3), Evicted::Yes);
+        assert_eq!(pattern::verify(3, &c.read(3).unwrap()), Ok(1));
+        let on_disk = std::fs::read(&path).unwrap();
+        assert_eq!(pattern::verify(3, &on_disk[3 * PS..4 * PS]), Ok(1));
+        // Uncached page, partial write: read-modify-write.
+        assert_eq!(c.evict(5), Evicted::NotCached);
+        c.write_at(5, 100, &[0xAB]).unwrap();
+        let b = c.read(5).unwrap();
+        assert_eq!(b[100], 0xAB);
+        let mut want = vec![0u8; PS];
+        pattern::fill(5, 0, &mut want);
+        want[100] = 0xAB;
+        assert_eq!(b, want);
+        assert_eq!(std::fs::read(&path).unwrap()[5 * PS + 100], 0xAB);
+    });
+}
+
+#[test]
+fn held_pages_are_not_evicted() {
+    let (_d, path) = file(8, 0);
+    let c = PageCache::open(&path, cfg(2)).unwrap();
+    let a = c.get(0).unwrap();
+    let b = c.get(1).unwrap();
+    assert_eq!(c.evict(0), Evicted::Busy);
+    // Every frame is held: a third page cannot come in.
+    assert!(matches!(c.get(2), Err(ReadError::NoFrame)));
+    drop(a);
+    pattern::verify(2, &c.get(2).unwrap()).unwrap();
+    pattern::verify(1, &b).unwrap();
+}
+
+#[test]
+fn partial_last_page() {
+    let (_d, path) = file(3, 100);
+    let c = PageCache::open(&path, cfg(4)).unwrap();
+    assert_eq!(c.pages(), 4);
+    let last = c.get(3).unwrap();
+    assert_eq!(last.len(), 100);
+    pattern::verify(3, &last).unwrap();
+    drop(last);
+    assert!(matches!(
+        c.write(3, &[0u8; PS]),
+        Err(WriteError::WrongLength { .. })
+    ));
+    let mut d = vec![0u8; 100];
+    pattern::fill(3, 1, &mut d);
+    c.write(3, &d).unwrap();
+    assert_eq!(pattern::verify(3, &c.get(3).unwrap()), Ok(1));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 3 * PS as u64 + 100);
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let (_d, path) = file(4, 0);
+    assert!(matches!(
+        PageCache::open(&path, cfg(0)),
+        Err(OpenError::ZeroFrames(_))
+    ));
+    assert!(matches!(
+        PageCache::open(
+            &path,
+            CacheConfig {
+                page_size: 3000,
+                ..cfg(4)
+            }
+        ),
+        Err(OpenError::BadPageSize(3000))
+    ));
+    assert!(matches!(
+        PageCache::open(&path.with_extension("nope"), cfg(4)),
+        Err(OpenError::Backing { .. })
+    ));
+    let empty = path.with_extension("empty");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(matches!(
+        PageCache::open(&empty, cfg(4)),
+        Err(OpenError::EmptyFile(_))
+    ));
+    assert!(matches!(
+        PageCache::open(path.parent().unwrap(), cfg(4)),
+        Err(OpenError::NotAFile(_)) | Err(OpenError::Backing { .. })
+    ));
+
+    let c = PageCache::open(&path, cfg(4)).unwrap();
+    assert!(matches!(
+        c.get(4),
+        Err(ReadError::BeyondEnd { page: 4, pages: 4 })
+    ));
+    assert!(matches!(
+        c.write(9, &[0u8; PS]),
+        Err(WriteError::BeyondEnd { .. })
+    ));
+    assert!(matches!(
+        c.write(1, &[0u8; 10]),
+        Err(WriteError::WrongLength { .. })
+    ));
+    assert!(matches!(
+        c.write_at(1, PS - 1, &[0u8; 2]),
+        Err(WriteError::WrongLength { .. })
+    ));
+    assert!(matches!(
+        c.write_at(1, usize::MAX, &[0u8; 2]),
+        Err(WriteError::WrongLength { .. })
+    ));
+    let mut small = [0u8; 10];
+    assert!(matches!(
+        c.read_into(1, &mut small),
+        Err(ReadError::BufferSize { .. })
+    ));
+}
+
+#[test]
+fn a_shrinking_backing_file_is_an_error_not_short_data() {
+    let (_d, path) = file(16, 0);
+    let c = PageCache::open(&path, cfg(16)).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(4 * PS as u64 + 10)
+        .unwrap();
+    pattern::verify(1, &c.get(1).unwrap()).unwrap();
+    assert!(matches!(c.get(10), Err(ReadError::Backing(_))));
+}
+
+#[test]
+fn direct_io_reads_verify() {
+    let (_d, path) = file(40, 0);
+    // Not every file system supports O_DIRECT (tmpfs does not): skip there.
+    let Ok(c) = PageCache::open(
+        &path,
+        CacheConfig {
+            direct_io: true,
+            ..cfg(16)
+        },
+    ) else {
+        eprintln!("O_DIRECT not supported here; skipped");
+        return;
+    };
+    for p in 0..40 {
+        pattern::verify(p, &c.get(p).unwrap()).unwrap();
+    }
+    c.write_at(7, 1, &[1, 2, 3]).unwrap();
+    assert_eq!(&c.get(7).unwrap()[1..4], &[1, 2, 3]);
+}
+
+#[test]
+fn region_is_self_describing() {
+    use pagewire_node::layout::{self, RawHeader};
+    let (_d, path) = file(8, 0);
+    let c = PageCache::open(&path, cfg(8)).unwrap();
+    let g = c.get(6).unwrap();
+    let frame = g.frame();
+    let generation = g.generation();
+    let view = c.region();
+    // SAFETY (test): reading our own live region while no writer runs.
+    let raw = unsafe { std::slice::from_raw_parts(view.addr, view.len) };
+    assert_eq!(&raw[..8], b"PAGEWIRE");
+    let l = view.layout;
+    // Find the page through the raw bucket bytes, as a remote reader would.
+    let b = l.bucket(layout::bucket_of(6, l.bucket_count as u64) as usize);
+    let slot = (0..layout::SLOTS_PER_BUCKET)
+        .map(|i| b + layout::slot_offset(i))
+        .find(|&o| u64::from_le_bytes(raw[o..o + 8].try_into().unwrap()) == layout::key_of(6))
+        .expect("page 6 in its bucket");
+    let val = u64::from_le_bytes(raw[slot + 8..slot + 16].try_into().unwrap());
+    assert_eq!(layout::val_frame(val), frame);
+    let h = RawHeader::decode(&raw[l.header(frame as usize)..]).unwrap();
+    let bytes = &raw[l.frame(frame as usize)..l.frame(frame as usize) + PS];
+    assert!(h.validates(6, generation, bytes));
+    pattern::verify(6, bytes).unwrap();
+}
