@@ -139,7 +139,12 @@ pub async fn run(
         .max_encoding_message_size(256 << 20),
         check,
     );
-    tracing::info!(grpc = %grpc_addr, metrics = ?metrics_addr, tls = cfg.tls.cert_file.is_some(), "coordinator listening");
+    tracing::info!(
+        grpc = %grpc_addr,
+        metrics = %metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string()),
+        tls = cfg.tls.cert_file.is_some(),
+        "coordinator listening"
+    );
     on_bound(Bound {
         grpc: grpc_addr,
         metrics: metrics_addr,

@@ -110,6 +110,7 @@ mod cli {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init();
         let token = match cfg.validate().and_then(|()| cfg.resolve_token()) {
             Ok(t) => t,

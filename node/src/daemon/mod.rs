@@ -182,7 +182,7 @@ pub(crate) async fn run(
         node.clone(),
         &cfg,
         advertise,
-        metrics_addr,
+        metrics_addr.clone(),
         attach,
         coord_tls,
     )?;
@@ -219,7 +219,11 @@ pub(crate) async fn run(
             .max_encoding_message_size(256 << 20),
         check,
     );
-    tracing::info!(grpc = %grpc_addr, "node listening");
+    tracing::info!(
+        grpc = %grpc_addr,
+        metrics = %if metrics_addr.is_empty() { "off" } else { metrics_addr.as_str() },
+        "node listening"
+    );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let serve =
         server
