@@ -14,7 +14,7 @@ pub enum CoordError {
     UnknownNode(String),
     #[error("stale incarnation for node {node_id:?}: it registered again since; register anew")]
     StaleIncarnation { node_id: String },
-    #[error("node {node_id:?} is {state}: register again")]
+    #[error("node {node_id:?} is {state}")]
     NotAlive {
         node_id: String,
         state: &'static str,
