@@ -1,1 +1,193 @@
+//! loom models of the three races the lockless cache must survive. They run
+//! the shipping code of [`crate::core`] and [`crate::raw`] (loom atomics and
+//! `UnsafeCell`s come in through [`crate::sync`]), so loom checks both the
+//! protocol's outcomes and that no frame byte is read while it is written.
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom --cfg crossbeam_loom" \
+//!   cargo test -p pagewire-node --release --lib loom_models
+//! ```
 
+use crate::core::{Core, Lost, Sweep};
+use crate::index::{Index, Lockless};
+use crate::layout::RegionLayout;
+use crate::raw::frames::Frames;
+use crate::raw::region::Region;
+use loom::sync::Arc;
+use loom::thread;
+
+const PS: usize = 16;
+
+fn core(frames: usize) -> Core<Lockless> {
+    Core::new(Frames::new(
+        Region::new(RegionLayout::new(PS, frames), 16, 16 * PS as u64).unwrap(),
+    ))
+}
+
+/// Fill a fresh frame with `tag` in every byte and index it as `page`.
+fn insert(c: &Core<Lockless>, page: u64, tag: u8) -> Result<u32, Lost> {
+    let f = c.frames.alloc().expect("a free frame");
+    // SAFETY: `alloc` gave us the frame in state Filling, exclusively.
+    unsafe { c.frames.region().fill(f, |b| b.fill(tag)) };
+    c.insert_filled(page, f, PS as u32)
+}
+
+/// Read a held frame's bytes; every byte must be the same tag.
+fn read_tag(c: &Core<Lockless>, f: u32) -> u8 {
+    // SAFETY: the caller holds a reference on `f`.
+    unsafe {
+        c.frames.region().read(f, |b| {
+            assert!(b.iter().all(|&x| x == b[0]), "torn frame {b:?}");
+            b[0]
+        })
+    }
+}
+
+fn builder() -> loom::model::Builder {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(3);
+    b
+}
+
+/// A lookup of page 1 races eviction of page 1 and reuse of its only frame
+/// for page 2. The reader gets page 1's bytes or a miss, never page 2's.
+#[test]
+fn lookup_vs_evict_and_reuse() {
+    builder().check(|| {
+        let c = Arc::new(core(1));
+        let f = insert(&c, 1, 0x11).unwrap();
+        c.frames.put(f);
+        let generation = c.index.peek(&c.frames, 1).unwrap().1;
+
+        let reader = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let mut retries = 0;
+                if let Some(f) = c.lookup(1, &mut retries) {
+                    assert_eq!(read_tag(&c, f), 0x11);
+                    c.frames.put(f);
+                }
+            })
+        };
+        if c.remove_frame(1, f, generation) == Sweep::Evicted {
+            let g = insert(&c, 2, 0x22).unwrap();
+            assert_eq!(g, f, "the only frame is reused");
+            c.frames.put(g);
+        }
+        reader.join().unwrap();
+        let mut retries = 0;
+        if let Some(f) = c.lookup(2, &mut retries) {
+            assert_eq!(read_tag(&c, f), 0x22);
+            c.frames.put(f);
+        }
+    });
+}
+
+/// Two threads insert page 7 at once: exactly one wins, the loser's frame
+/// goes back to the free list, and a lookup finds the winner's bytes.
+#[test]
+fn insert_vs_insert_same_page() {
+    builder().check(|| {
+        let c = Arc::new(core(2));
+        let other = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || insert(&c, 7, 0xB).map(|f| c.frames.put(f)).is_ok())
+        };
+        let mine = insert(&c, 7, 0xA).map(|f| c.frames.put(f)).is_ok();
+        let theirs = other.join().unwrap();
+        assert!(
+            mine ^ theirs,
+            "exactly one insert wins (mine {mine}, theirs {theirs})"
+        );
+        let mut retries = 0;
+        let f = c.lookup(7, &mut retries).expect("page 7 indexed");
+        assert_eq!(read_tag(&c, f), if mine { 0xA } else { 0xB });
+        c.frames.put(f);
+        assert_eq!(c.frames.free_count(), 1, "the loser's frame is free again");
+    });
+}
+
+/// A copy-on-write of page 3 races a reader. The reader sees the old or the
+/// new bytes, whole; after the write every lookup sees the new bytes, and
+/// the old frame is freed once the reader lets go of it.
+#[test]
+fn cow_publish_vs_reader() {
+    builder().check(|| {
+        let c = Arc::new(core(2));
+        let f = insert(&c, 3, 0x30).unwrap();
+        c.frames.put(f);
+
+        let reader = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let mut retries = 0;
+                let f = c.lookup(3, &mut retries).expect("page 3 is always indexed");
+                let tag = read_tag(&c, f);
+                assert!(tag == 0x30 || tag == 0x31, "tag {tag:#x}");
+                c.frames.put(f);
+            })
+        };
+        let n = c.frames.alloc().expect("second frame");
+        // SAFETY: `alloc` gave us the frame exclusively.
+        unsafe { c.frames.region().fill(n, |b| b.fill(0x31)) };
+        c.publish_cow(3, n, PS as u32).unwrap();
+        // Acknowledged: from here on no lookup may return the old bytes.
+        let mut retries = 0;
+        let g = c.lookup(3, &mut retries).unwrap();
+        assert_eq!(read_tag(&c, g), 0x31);
+        c.frames.put(g);
+        reader.join().unwrap();
+        assert_eq!(
+            c.frames.free_count(),
+            1,
+            "the retired frame is freed after its last reader"
+        );
+    });
+}
+
+/// A reader walking an overflow bucket races the removal that empties and
+/// unlinks it and an insert that reuses it (through the epoch) for another
+/// chain. Pages 0..=3 share bucket 0 of a 4-bucket index... we pick pages by
+/// hash so that four of them land in one chain.
+#[test]
+fn overflow_unlink_vs_reader() {
+    let mut b = builder();
+    b.preemption_bound = Some(2);
+    b.check(|| {
+        let c = Arc::new(core(4));
+        let buckets = c.frames.region().layout().bucket_count as u64;
+        let chain: Vec<u64> = (0..1000u64)
+            .filter(|&p| crate::layout::bucket_of(p, buckets) == 0)
+            .take(4)
+            .collect();
+        for (i, &p) in chain.iter().enumerate() {
+            let f = insert(&c, p, i as u8 + 1).unwrap();
+            c.frames.put(f);
+        }
+        let last = chain[3]; // lives alone in the overflow bucket
+        let reader = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let mut retries = 0;
+                if let Some(f) = c.lookup(last, &mut retries) {
+                    let t = read_tag(&c, f);
+                    assert!(t == 4 || t == 9, "tag {t}");
+                    c.frames.put(f);
+                }
+            })
+        };
+        let (f, generation) = c.index.peek(&c.frames, last).unwrap();
+        if c.remove_frame(last, f, generation) == Sweep::Evicted {
+            let g = insert(&c, last, 9).unwrap();
+            c.frames.put(g);
+        }
+        reader.join().unwrap();
+        let mut retries = 0;
+        let f = c.lookup(last, &mut retries);
+        if let Some(f) = f {
+            let t = read_tag(&c, f);
+            assert!(t == 4 || t == 9);
+            c.frames.put(f);
+        }
+    });
+}

@@ -30,6 +30,17 @@ pub(crate) fn spin_wait(backoff: &crossbeam_utils::Backoff) {
     backoff.snooze();
 }
 
+/// Back off before retrying a lookup whose recheck failed. Under loom this
+/// yields, so the model lets the thread that changed the slot make progress
+/// instead of exploring a reader that re-reads stale values forever.
+#[inline]
+pub(crate) fn retry_hint() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
+
 /// Lock a mutex, taking the data even if a panicking thread poisoned it: every
 /// structure guarded this way is left consistent at each unlock point.
 #[inline]

@@ -20,7 +20,9 @@ fn cfg(frames: usize) -> CacheConfig {
     }
 }
 
-fn each_variant(test: fn(&dyn Fn(&std::path::Path, CacheConfig) -> Box<dyn Cache>)) {
+type Opener<'a> = &'a dyn Fn(&std::path::Path, CacheConfig) -> Box<dyn Cache>;
+
+fn each_variant(test: fn(Opener<'_>)) {
     test(&|p, c| Box::new(PageCache::<Lockless>::open_with(p, c).unwrap()));
     test(&|p, c| Box::new(PageCache::<RwLocked>::open_with(p, c).unwrap()));
     test(&|p, c| Box::new(PageCache::<Mutexed>::open_with(p, c).unwrap()));
@@ -272,7 +274,8 @@ fn region_is_self_describing() {
     let frame = g.frame();
     let generation = g.generation();
     let view = c.region();
-    // SAFETY (test): reading our own live region while no writer runs.
+    // SAFETY: the region is live for the cache's lifetime and nothing writes
+    // it while this single-threaded test reads it.
     let raw = unsafe { std::slice::from_raw_parts(view.addr, view.len) };
     assert_eq!(&raw[..8], b"PAGEWIRE");
     let l = view.layout;

@@ -220,7 +220,10 @@ impl Frames {
     #[inline]
     pub(crate) fn try_get(&self, f: u32) -> bool {
         let rc = &self.header(f).refcount;
-        let mut n = rc.load(Ordering::Relaxed);
+        // Acquire: a reader that finds the frame frozen or free also sees
+        // the index change that came before (the put or unlink), so its
+        // retry does not re-read the stale slot.
+        let mut n = rc.load(Ordering::Acquire);
         loop {
             if n == 0 {
                 return false;

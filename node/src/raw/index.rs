@@ -117,7 +117,7 @@ impl RawIndex {
     }
 
     #[inline]
-    fn head<'a>(frames: &'a Frames, page: u64) -> &'a Bucket {
+    fn head(frames: &Frames, page: u64) -> &Bucket {
         let buckets = frames.region().buckets();
         &buckets[layout::bucket_of(page, buckets.len() as u64) as usize]
     }
@@ -181,14 +181,13 @@ impl RawIndex {
                     Some(f) => return Some(f),
                     None => {
                         *retries += 1;
+                        crate::sync::retry_hint();
                         continue;
                     }
                 }
             }
             // Acquire: pairs with the Release store that linked a bucket.
-            if ctrl::next(head.ctrl.load(Ordering::Acquire)).is_none() {
-                return None;
-            }
+            ctrl::next(head.ctrl.load(Ordering::Acquire))?;
             // Pin before loading the link again: an unlinked overflow bucket
             // is recycled only after every guard pinned before its unlink.
             let guard = crossbeam_epoch::pin();
@@ -202,14 +201,15 @@ impl RawIndex {
                 }
                 next = ctrl::next(b.ctrl.load(Ordering::Acquire));
             }
-            let Some((slot, val)) = found else {
-                return None;
-            };
+            let (slot, val) = found?;
             let got = Self::try_slot(frames, page, key, slot, val);
             drop(guard);
             match got {
                 Some(f) => return Some(f),
-                None => *retries += 1,
+                None => {
+                    *retries += 1;
+                    crate::sync::retry_hint();
+                }
             }
         }
     }

@@ -1,0 +1,224 @@
+//! Randomized stress: concurrent readers, faulting inserters, evictors and
+//! writers over a self-describing file, every byte of every read verified,
+//! and no read older than an acknowledged write.
+//!
+//! Bounded by default (`PAGEWIRE_STRESS_SECS`, default 2 s per index
+//! variant); set it higher for a soak, e.g. `PAGEWIRE_STRESS_SECS=300`.
+//! It prints what it covered.
+
+use pagewire_node::index::{Index, Lockless, Mutexed, RwLocked, Sharded};
+use pagewire_node::{CacheConfig, PageCache, ReadError, pattern};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const PS: usize = 4096;
+const PAGES: u64 = 512;
+
+fn secs() -> f64 {
+    std::env::var("PAGEWIRE_STRESS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2.0)
+}
+
+#[derive(Default)]
+struct Tally {
+    reads: AtomicU64,
+    bytes: AtomicU64,
+    writes: AtomicU64,
+    evicted: AtomicU64,
+    no_frame: AtomicU64,
+}
+
+fn stress<I: Index>(seed: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data");
+    pattern::generate_file(&path, PAGES * PS as u64, PS).unwrap();
+    let cache = Arc::new(
+        PageCache::<I>::open_with(
+            &path,
+            CacheConfig {
+                frames: 48,
+                readahead_max: 8,
+                evict_batch: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    // Highest acknowledged generation of each page, and test-side writer
+    // serialisation per page (so generations only grow).
+    let acked: Arc<Vec<AtomicU64>> = Arc::new((0..PAGES).map(|_| AtomicU64::new(0)).collect());
+    let wlocks: Arc<Vec<Mutex<()>>> = Arc::new((0..64).map(|_| Mutex::new(())).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let deadline = Instant::now() + Duration::from_secs_f64(secs());
+    let mut handles = Vec::new();
+
+    for r in 0..3u64 {
+        let (cache, acked, stop, tally) =
+            (cache.clone(), acked.clone(), stop.clone(), tally.clone());
+        handles.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed ^ r);
+            let mut buf = vec![0u8; PS];
+            while !stop.load(Ordering::Relaxed) {
+                // Mostly a hot set, sometimes a sequential scan (readahead).
+                let p = if rng.random_bool(0.1) { rng.random_range(0..PAGES) } else { rng.random_range(0..64) };
+                let run = if rng.random_bool(0.05) { 16 } else { 1 };
+                for p in p..(p + run).min(PAGES) {
+                    let before = acked[p as usize].load(Ordering::Acquire);
+                    let got = match r % 3 {
+                        0 => cache.get(p).map(|g| {
+                            let generation = pattern::verify(p, &g).unwrap_or_else(|e| panic!("zero-copy read: {e}"));
+                            tally.bytes.fetch_add(g.len() as u64, Ordering::Relaxed);
+                            generation
+                        }),
+                        1 => cache.read_into(p, &mut buf).map(|n| {
+                            tally.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                            pattern::verify(p, &buf[..n]).unwrap_or_else(|e| panic!("copy-out read: {e}"))
+                        }),
+                        _ => match cache.lookup(p) {
+                            Some(g) => Ok(pattern::verify(p, &g).unwrap_or_else(|e| panic!("lookup read: {e}"))),
+                            None => continue,
+                        },
+                    };
+                    match got {
+                        Ok(generation) => {
+                            assert!(generation >= before, "page {p}: read generation {generation} after {before} was acknowledged");
+                            tally.reads.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // All frames momentarily held by readers: allowed, counted.
+                        Err(ReadError::NoFrame) => {
+                            tally.no_frame.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => panic!("read of page {p}: {e}"),
+                    }
+                }
+            }
+        }));
+    }
+    {
+        let (cache, acked, wlocks, stop, tally) = (
+            cache.clone(),
+            acked.clone(),
+            wlocks.clone(),
+            stop.clone(),
+            tally.clone(),
+        );
+        handles.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed ^ 100);
+            let mut page = vec![0u8; PS];
+            while !stop.load(Ordering::Relaxed) {
+                let p = rng.random_range(0..64);
+                let _w = wlocks[p as usize % 64].lock().unwrap();
+                let next = acked[p as usize].load(Ordering::Acquire) + 1;
+                if rng.random_bool(0.5) {
+                    pattern::fill(p, next, &mut page);
+                    match cache.write(p, &page) {
+                        Ok(_) => {}
+                        Err(pagewire_node::WriteError::NoFrame) => continue,
+                        Err(e) => panic!("write of page {p}: {e}"),
+                    }
+                } else {
+                    // A partial write (the read-modify-write path) that keeps
+                    // the page valid: rewrite a range of the current generation
+                    // with its own bytes, so no reader may see a difference.
+                    pattern::fill(p, next - 1, &mut page);
+                    let off = rng.random_range(0..PS - 64);
+                    let len = rng.random_range(1..64);
+                    match cache.write_at(p, off, &page[off..off + len]) {
+                        Ok(_) => {}
+                        Err(pagewire_node::WriteError::NoFrame) => continue,
+                        Err(e) => panic!("partial write of page {p}: {e}"),
+                    }
+                    tally.writes.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                acked[p as usize].store(next, Ordering::Release);
+                tally.writes.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    {
+        let (cache, stop, tally) = (cache.clone(), stop.clone(), tally.clone());
+        handles.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed ^ 200);
+            while !stop.load(Ordering::Relaxed) {
+                let n = if rng.random_bool(0.5) {
+                    cache.evict_range(rng.random_range(0..PAGES), 8).0
+                } else {
+                    cache.reclaim(4) as u64
+                };
+                tally.evicted.fetch_add(n, Ordering::Relaxed);
+                std::thread::yield_now();
+            }
+        }));
+    }
+    while Instant::now() < deadline && !handles.iter().any(|h| h.is_finished()) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        if let Err(e) = h.join() {
+            std::panic::resume_unwind(e);
+        }
+    }
+    // Every page, cached or not, ends at its last acknowledged generation.
+    for p in 0..PAGES {
+        let g = pattern::verify(p, &cache.get(p).unwrap()).unwrap();
+        assert_eq!(
+            g,
+            acked[p as usize].load(Ordering::Relaxed),
+            "page {p} lost a write"
+        );
+    }
+    let st = cache.stats();
+    drop(cache);
+    let file = std::fs::read(&path).unwrap();
+    for p in 0..PAGES {
+        let g = pattern::verify(p, &file[p as usize * PS..(p as usize + 1) * PS]).unwrap();
+        assert_eq!(
+            g,
+            acked[p as usize].load(Ordering::Relaxed),
+            "page {p} not written through"
+        );
+    }
+    let t = &tally;
+    assert!(
+        t.reads.load(Ordering::Relaxed) > 1000,
+        "the stress did too little to mean anything"
+    );
+    println!(
+        "stress {:9}: {:.1} s, {} verified reads ({} MiB), {} writes, {} evictions by the evictor, {} NoFrame; cache: {st:?}",
+        I::KIND.name(),
+        secs(),
+        t.reads.load(Ordering::Relaxed),
+        t.bytes.load(Ordering::Relaxed) >> 20,
+        t.writes.load(Ordering::Relaxed),
+        t.evicted.load(Ordering::Relaxed),
+        t.no_frame.load(Ordering::Relaxed),
+    );
+}
+
+#[test]
+fn stress_lockless() {
+    stress::<Lockless>(1);
+}
+
+#[test]
+fn stress_rwlock() {
+    stress::<RwLocked>(2);
+}
+
+#[test]
+fn stress_mutex() {
+    stress::<Mutexed>(3);
+}
+
+#[test]
+fn stress_sharded() {
+    stress::<Sharded>(4);
+}
