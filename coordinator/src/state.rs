@@ -688,7 +688,9 @@ impl Cluster {
             extent_count: self.extent_count(),
             nodes_alive: u32::try_from(alive).unwrap_or(u32::MAX),
             nodes_total: u32::try_from(self.members.len()).unwrap_or(u32::MAX),
-            extents_unowned: self.owner.iter().filter(|&&o| o == 0).count() as u64,
+            extents_unowned: self
+                .extent_count()
+                .saturating_sub(self.owner.iter().filter(|&&o| o != 0).count() as u64),
             extents_in_handoff: self.previous.iter().filter(|&&p| p != 0).count() as u64,
             lease_ms: self.lease_ms(),
             policy: Some(self.policy),

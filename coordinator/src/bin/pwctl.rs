@@ -27,6 +27,29 @@ use tonic::transport::Channel;
 
 type Coord = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
 
+/// Writes to stdout; a closed pipe (`pwctl ... | head`) ends pwctl quietly
+/// instead of panicking as `print!` would.
+fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("pwctl: cannot write the output: {e}");
+        std::process::exit(1);
+    }
+}
+
+macro_rules! out {
+    ($($t:tt)*) => { write_stdout(format_args!($($t)*)) };
+}
+
+macro_rules! outln {
+    () => { write_stdout(format_args!("\n")) };
+    ($($t:tt)*) => { write_stdout(format_args!("{}\n", format_args!($($t)*))) };
+}
+
 /// Admin CLI of a pagewire cluster.
 #[derive(Debug, Parser)]
 #[command(name = "pwctl", version)]
@@ -180,10 +203,13 @@ async fn coordinator(cli: &Cli, ctx: &Ctx) -> anyhow::Result<Coord> {
     let channel = net::connect(&cli.coordinator, ctx.tls.as_ref(), ctx.timeout)
         .await
         .map_err(|e| {
+            let cause = match &e {
+                net::NetError::Connect { source, .. } => error_chain(source),
+                other => error_chain(other),
+            };
             anyhow!(
-                "cannot reach the coordinator at {}: {}; is it running? (set --coordinator or PAGEWIRE_COORDINATOR)",
+                "cannot reach the coordinator at {}: {cause}; is it running? (set --coordinator or PAGEWIRE_COORDINATOR)",
                 cli.coordinator,
-                error_chain(&e)
             )
         })?;
     Ok(
@@ -320,7 +346,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                     vec!["lease".into(), human_ms(s.lease_ms)],
                     vec!["policy".into(), policy_text(&p)],
                 ];
-                print!("{}", table(&[], &rows));
+                out!("{}", table(&[], &rows));
             }
             Ok(true)
         }
@@ -353,7 +379,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                         ]
                     })
                     .collect::<Vec<_>>();
-                print!(
+                out!(
                     "{}",
                     table(
                         &[
@@ -425,12 +451,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                     &json!({"node": node, "epoch": r.map_epoch, "extents_moved": r.extents_moved, "state": state_name(state)}),
                 );
             } else {
-                println!(
+                outln!(
                     "draining {node}: {} extents move away (epoch {})",
-                    r.extents_moved, r.map_epoch
+                    r.extents_moved,
+                    r.map_epoch
                 );
                 if *wait > 0 {
-                    println!("{node} is {}", state_name(state));
+                    outln!("{node} is {}", state_name(state));
                 }
             }
             Ok(*wait == 0 || state == NodeState::Drained)
@@ -449,7 +476,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             if ctx.json {
                 print_json(&json!({"node": node, "epoch": r.map_epoch}));
             } else {
-                println!("{node} takes its share again (epoch {})", r.map_epoch);
+                outln!("{node} takes its share again (epoch {})", r.map_epoch);
             }
             Ok(true)
         }
@@ -457,7 +484,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             let nodes = list_nodes(&mut c, &ctx).await?;
             let rows = collect_stats(&nodes, &ctx).await;
             if watch.is_some() && !ctx.json {
-                print!("\x1b[2J\x1b[H");
+                out!("\x1b[2J\x1b[H");
             }
             print_stats(&rows, ctx.json);
             match watch {
@@ -504,7 +531,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             if ctx.json {
                 print_json(&policy_json(&p));
             } else {
-                println!("{}", policy_text(&p));
+                outln!("{}", policy_text(&p));
             }
             Ok(true)
         }
@@ -628,7 +655,7 @@ fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
 }
 
 fn print_json(v: &Value) {
-    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    outln!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
 fn policy_json(p: &Policy) -> Value {
@@ -768,7 +795,7 @@ fn print_map(map: &OwnershipMap, nodes: &[NodeInfo], extents: bool, as_json: boo
         print_json(&v);
         return;
     }
-    println!(
+    outln!(
         "epoch {}  {} extents of {}  file {}  in handoff {}  unowned {}",
         map.epoch,
         total,
@@ -777,7 +804,7 @@ fn print_map(map: &OwnershipMap, nodes: &[NodeInfo], extents: bool, as_json: boo
         map.previous_owner.iter().filter(|&&p| p != 0).count(),
         map.owner.iter().filter(|&&o| o == 0).count()
     );
-    print!(
+    out!(
         "{}",
         table(
             &[
@@ -794,7 +821,7 @@ fn print_map(map: &OwnershipMap, nodes: &[NodeInfo], extents: bool, as_json: boo
             &rows
         )
     );
-    println!("balance: largest deviation from capacity weight {max_dev:.1}%");
+    outln!("balance: largest deviation from capacity weight {max_dev:.1}%");
     if extents {
         let rows: Vec<Vec<String>> = runs
             .iter()
@@ -809,7 +836,7 @@ fn print_map(map: &OwnershipMap, nodes: &[NodeInfo], extents: bool, as_json: boo
                 ]
             })
             .collect();
-        print!("{}", table(&["EXTENTS", "OWNER"], &rows));
+        out!("{}", table(&["EXTENTS", "OWNER"], &rows));
     }
 }
 
@@ -866,8 +893,8 @@ fn print_range_result(what: &str, r: &ClusterRangeResponse, as_json: bool) -> bo
                 ]
             })
             .collect();
-        println!("{what} at epoch {}", r.map_epoch);
-        print!("{}", table(&["NODE", "PAGES", "RESULT"], &rows));
+        outln!("{what} at epoch {}", r.map_epoch);
+        out!("{}", table(&["NODE", "PAGES", "RESULT"], &rows));
     }
     if !ok {
         eprintln!("pwctl: {what} failed on some nodes");
@@ -928,7 +955,7 @@ fn print_stats(rows: &[StatsRow], as_json: bool) {
                 s
             })
             .collect();
-        println!("{}", serde_json::to_string(&v).unwrap_or_default());
+        outln!("{}", serde_json::to_string(&v).unwrap_or_default());
         return;
     }
     let t: Vec<Vec<String>> = rows
@@ -949,7 +976,7 @@ fn print_stats(rows: &[StatsRow], as_json: bool) {
             ]
         })
         .collect();
-    print!(
+    out!(
         "{}",
         table(
             &[
@@ -1025,7 +1052,7 @@ fn print_topology(nodes: &[NodeInfo], as_json: bool) {
             ]);
         }
     }
-    print!(
+    out!(
         "{}",
         table(&["NODE", "HOST", "NUMA", "CPUS", "MEMORY", "SOURCE"], &rows)
     );
