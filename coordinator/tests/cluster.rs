@@ -373,9 +373,11 @@ fn kill9_of_a_node_moves_its_extents_within_the_lease() {
         "MEASURE kill -9 to reassignment of {victim} extents: {} ms (lease {lease_ms} ms)",
         took.as_millis()
     );
-    // The lease, plus the coordinator's lease tick and this test's polling.
+    // The lease runs from the victim's last heartbeat, before the kill; add
+    // the coordinator's lease tick (50 ms here) and this test's polling of
+    // pwctl, which is slow on a busy two-core machine.
     assert!(
-        took < Duration::from_millis(lease_ms + 1000),
+        took < Duration::from_millis(lease_ms + 1500),
         "took {took:?} with a {lease_ms} ms lease"
     );
     let nodes = c.json(&["nodes"]);
