@@ -21,8 +21,7 @@ use crate::stats::{Counter, Counters, Stats};
 use std::cell::Cell;
 use std::path::Path;
 
-/// How a cache is set up. Every field is documented in
-/// `node/etc/pagewire-node.example.toml`.
+/// How a cache is set up.
 #[derive(Clone, Debug)]
 pub struct CacheConfig {
     /// Bytes per page (power of two, 512 B ..= 1 MiB).

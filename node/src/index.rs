@@ -139,6 +139,23 @@ pub trait Index: Send + Sync + 'static {
     /// The frame indexed for `page`, without taking a reference.
     #[doc(hidden)]
     fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)>;
+
+    /// Fault in the index's memory for `entries` entries, as the lockless
+    /// region's metadata is at creation (for benchmarks that compare
+    /// insertion on warm memory).
+    #[doc(hidden)]
+    fn prewarm(&self, entries: u64) {
+        let _ = entries;
+    }
+}
+
+/// Fill a map with `entries` keys and clear it: capacity and touched memory
+/// stay, so later inserts do not pay first-touch page faults.
+fn prewarm_map(map: &mut Map, entries: u64) {
+    for p in 0..entries {
+        map.insert(p, (0, 0));
+    }
+    map.clear();
 }
 
 /// The lockless index (the default).
@@ -164,6 +181,23 @@ impl Index for Lockless {
             RawInsert::Inserted => Inserted::Yes,
             RawInsert::Exists(_) => Inserted::AlreadyPresent,
             RawInsert::Full => Inserted::NoRoom,
+        }
+    }
+
+    /// Gang insertion: prefetch every bucket of the run first so their cache
+    /// misses overlap, then lock and fill each bucket in turn.
+    fn insert_run(
+        &self,
+        frames: &FrameTable,
+        first: u64,
+        run: &[(u32, u64)],
+        done: &mut dyn FnMut(usize, Inserted),
+    ) {
+        for i in 0..run.len() {
+            RawIndex::prefetch(frames, first + i as u64);
+        }
+        for (i, &(f, g)) in run.iter().enumerate() {
+            done(i, self.insert(frames, first + i as u64, f, g));
         }
     }
 
@@ -317,6 +351,10 @@ impl Index for RwLocked {
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         read(&self.0).get(&page).copied()
     }
+
+    fn prewarm(&self, entries: u64) {
+        prewarm_map(&mut write(&self.0), entries);
+    }
 }
 
 /// One tree under one mutex (the spinlock before `tree_lock`).
@@ -374,6 +412,10 @@ impl Index for Mutexed {
 
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         crate::sync::lock(&self.0).get(&page).copied()
+    }
+
+    fn prewarm(&self, entries: u64) {
+        prewarm_map(&mut crate::sync::lock(&self.0), entries);
     }
 }
 
@@ -438,5 +480,67 @@ impl Index for Sharded {
 
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
         read(self.shard(page)).get(&page).copied()
+    }
+
+    fn prewarm(&self, entries: u64) {
+        let mut keys: Vec<Vec<u64>> = vec![Vec::new(); SHARDS];
+        for p in 0..entries {
+            keys[crate::layout::bucket_of(p, SHARDS as u64) as usize].push(p);
+        }
+        for (shard, keys) in self.0.iter().zip(keys) {
+            let mut map = write(shard);
+            for p in keys {
+                map.insert(p, (0, 0));
+            }
+            map.clear();
+        }
+    }
+}
+
+/// An index over a frame table with no backing file and no page bytes: the
+/// index operations alone, for benchmarks (the seed's insertion test) and
+/// tests. Entries point at frames that are never published.
+#[cfg(not(loom))]
+pub struct Standalone<I: Index> {
+    frames: Frames,
+    index: I,
+}
+
+#[cfg(not(loom))]
+impl<I: Index> Standalone<I> {
+    /// An empty index sized for `frames` entries (pages of 512 bytes; the
+    /// arena is reserved, never touched). Its memory is warm: the lockless
+    /// region's metadata is faulted in at creation (as for every cache), and
+    /// the hash maps of the lock-based variants are filled and cleared once,
+    /// so insertion is compared on warm memory for every variant.
+    pub fn new(frames: usize) -> std::io::Result<Self> {
+        let layout = crate::layout::RegionLayout::new(512, frames);
+        let frames_table = Frames::new(crate::raw::region::Region::new(layout, 0, 0)?);
+        let index = I::create(&frames_table);
+        index.prewarm(frames as u64);
+        Ok(Self {
+            frames: frames_table,
+            index,
+        })
+    }
+
+    /// Insert one entry `page → frame` (generation 1).
+    pub fn insert(&self, page: u64, frame: u32) -> Inserted {
+        self.index.insert(&self.frames, page, frame, 1)
+    }
+
+    /// Gang-insert `page + i → frames[i]`; returns how many went in.
+    pub fn insert_run(&self, first: u64, run: &[(u32, u64)]) -> usize {
+        let mut n = 0;
+        self.index
+            .insert_run(&self.frames, first, run, &mut |_, r| {
+                n += usize::from(r == Inserted::Yes)
+            });
+        n
+    }
+
+    /// The frame indexed for `page`.
+    pub fn frame_of(&self, page: u64) -> Option<u32> {
+        self.index.peek(&self.frames, page).map(|(f, _)| f)
     }
 }

@@ -33,7 +33,10 @@
 //! local only), 36 flags (u32, local only), 40..64 reserved.
 //!
 //! A page `p` lives in bucket [`bucket_of`]`(p, bucket_count)` or in the
-//! overflow chain hanging from it. A frame's generation is its incarnation:
+//! overflow chain hanging from it: with `n = bucket_count >= 16`, bucket
+//! `fib(p / 8, n / 8) * 8 + p % 8`, where
+//! `fib(x, m) = (x * 0x9E3779B97F4A7C15) >> (64 - log2 m)` (wrapping
+//! multiply); with fewer buckets, `fib(p, n)`. A frame's generation is its incarnation:
 //! it grows by one each time the frame is published again, so `(page,
 //! generation)` names one immutable content. The checksum is xxh3-64 over
 //! the 24-byte header prefix (page, generation, length; length as u64) followed
@@ -138,12 +141,31 @@ impl FrameState {
     }
 }
 
-/// The bucket holding `page` in an index of `bucket_count` buckets (a power of
-/// two, at least 2): Fibonacci hashing, the top bits of `page * 2^64/φ`.
+/// Pages per cluster: runs of this many consecutive pages land in
+/// consecutive buckets (one 512-byte stretch of the index), so sequential
+/// faults, gang insertions and scans touch neighbouring cache lines and one
+/// TLB entry instead of scattering over the whole index.
+pub const CLUSTER: u64 = 8;
+
+/// Fibonacci hashing: the top `log2(n)` bits of `x * 2^64/φ` (`n` a power
+/// of two, at least 2).
+#[inline]
+pub const fn fib_hash(x: u64, n: u64) -> u64 {
+    x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - n.trailing_zeros())
+}
+
+/// The bucket holding `page` in an index of `bucket_count` buckets (a power
+/// of two, at least 2). With at least `2 * CLUSTER` buckets, the cluster
+/// `page / CLUSTER` is Fibonacci-hashed to a group of `CLUSTER` adjacent
+/// buckets and `page % CLUSTER` picks the bucket in the group; smaller
+/// indexes hash the page itself.
 #[inline]
 pub const fn bucket_of(page: u64, bucket_count: u64) -> u64 {
-    let bits = bucket_count.trailing_zeros();
-    page.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)
+    if bucket_count < 2 * CLUSTER {
+        fib_hash(page, bucket_count)
+    } else {
+        fib_hash(page / CLUSTER, bucket_count / CLUSTER) * CLUSTER + page % CLUSTER
+    }
 }
 
 /// A slot key for `page`.
@@ -315,6 +337,24 @@ mod tests {
         }
         // Fibonacci hashing of a run is close to a permutation.
         assert!(counts.iter().all(|&c| c <= 2), "{counts:?}");
+    }
+
+    #[test]
+    fn clusters_of_pages_share_neighbouring_buckets() {
+        let n = 1 << 20;
+        for p in [0u64, 8, 4096, 1 << 40] {
+            let b = bucket_of(p, n);
+            assert_eq!(b % CLUSTER, 0);
+            for i in 1..CLUSTER {
+                assert_eq!(bucket_of(p + i, n), b + i);
+            }
+        }
+        // Small indexes still use every bucket.
+        let mut seen = [false; 8];
+        for p in 0..64 {
+            seen[bucket_of(p, 8) as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
     }
 
     #[test]

@@ -126,7 +126,10 @@ mod hw {
         use hwlocality::cpu::binding::CpuBindingFlags;
         use hwlocality::cpu::cpuset::CpuSet;
         let topo = topology().ok_or("no hwloc topology")?;
-        let set = CpuSet::from(cpu);
+        let idx =
+            hwlocality::ffi::PositiveInt::try_from(cpu).map_err(|e| format!("cpu {cpu}: {e}"))?;
+        let mut set = CpuSet::new();
+        set.set(idx);
         topo.bind_cpu(&set, CpuBindingFlags::THREAD)
             .map_err(|e| e.to_string())
     }

@@ -292,3 +292,34 @@ fn region_is_self_describing() {
     assert!(h.validates(6, generation, bytes));
     pattern::verify(6, bytes).unwrap();
 }
+
+#[test]
+fn numa_topology_and_placement() {
+    let topo = pagewire_node::numa::discover();
+    assert!(!topo.nodes.is_empty());
+    assert!(!topo.cpus().is_empty());
+    #[cfg(feature = "numa")]
+    assert_eq!(topo.source, "hwloc");
+    #[cfg(not(feature = "numa"))]
+    assert_eq!(topo.source, "fallback");
+    let (_d, path) = file(8, 0);
+    let node = topo.nodes[0].os_index;
+    let c = PageCache::open(
+        &path,
+        CacheConfig {
+            numa_node: Some(node),
+            ..cfg(8)
+        },
+    )
+    .unwrap();
+    let how = &c.placement().how;
+    #[cfg(feature = "numa")]
+    assert!(
+        c.placement().node == Some(node) || how.contains("failed"),
+        "{how}"
+    );
+    #[cfg(not(feature = "numa"))]
+    assert!(how.contains("without feature"), "{how}");
+    pattern::verify(1, &c.get(1).unwrap()).unwrap();
+    pagewire_node::numa::pin_current_thread(topo.cpus()[0]).unwrap();
+}

@@ -127,6 +127,23 @@ impl RawIndex {
         &frames.region().overflow()[o as usize]
     }
 
+    /// Hint the CPU to fetch `page`'s head bucket (gang operations issue
+    /// these for a whole run first, so the cache misses overlap).
+    #[inline]
+    pub(crate) fn prefetch(frames: &Frames, page: u64) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let b: *const Bucket = Self::head(frames, page);
+            // SAFETY: a prefetch is only a hint: it never faults and has no
+            // architectural effect; SSE is part of the x86-64 baseline.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(b.cast())
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (frames, page);
+    }
+
     fn lock<'a>(frames: &'a Frames, page: u64) -> Locked<'a> {
         let head = Self::head(frames, page);
         let backoff = crossbeam_utils::Backoff::new();
