@@ -26,8 +26,13 @@ echo "== build"
 cargo build --locked -p pagewire-coordinator --bins -p pagewire-node --bin pagewire-node
 
 echo "== tests: proto, coordinator (unit + end-to-end), node daemon"
-cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
-cargo nextest run --locked --no-fail-fast -p pagewire-node --bin pagewire-node
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
+  cargo nextest run --locked --no-fail-fast -p pagewire-node --bin pagewire-node
+else
+  cargo test --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
+  cargo test --locked --no-fail-fast -p pagewire-node --bin pagewire-node
+fi
 
 B=target/debug
 W=$(mktemp -d)
