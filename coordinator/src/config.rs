@@ -265,6 +265,12 @@ impl Config {
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid("tls", "cert_file and key_file go together"));
         }
+        if self.tls.node_ca_file.is_some() && self.tls.node_domain.is_empty() {
+            return Err(invalid(
+                "tls.node_domain",
+                "required with tls.node_ca_file: the name the nodes' certificates carry",
+            ));
+        }
         self.policy()?;
         Ok(())
     }

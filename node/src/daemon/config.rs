@@ -147,6 +147,12 @@ impl Config {
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid("tls", "cert_file and key_file go together"));
         }
+        if self.tls.coordinator_ca_file.is_some() && self.tls.coordinator_domain.is_empty() {
+            return Err(invalid(
+                "tls.coordinator_domain",
+                "required with tls.coordinator_ca_file: the name the coordinator's certificate carries",
+            ));
+        }
         Ok(())
     }
 
