@@ -10,7 +10,7 @@ use crate::persist::PersistError;
 pub enum CoordError {
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("unknown node {0:?}: register first")]
+    #[error("unknown node {0:?}")]
     UnknownNode(String),
     #[error("stale incarnation for node {node_id:?}: it registered again since; register anew")]
     StaleIncarnation { node_id: String },
