@@ -1,1 +1,159 @@
-//! pagewire-coordinator: work in progress (see the open issue for this crate).
+//! pagewire-coordinator: the one place that knows who is in the cluster and
+//! who owns which extent of the file.
+//!
+//! It keeps membership (registration, heartbeats, leases), computes the
+//! ownership map by weighted rendezvous hashing ([`rendezvous`]), numbers it
+//! by an epoch, streams it to nodes and readers, moves extents on join, leave,
+//! failure and drain without a gap ([`state`] explains how), forwards
+//! cluster-wide warm/evict to owners, pushes admission/eviction policy, and
+//! persists its state atomically ([`persist`]). Data never flows through it.
+//!
+//! It depends on `pagewire-proto` only: never on the node, the transports or
+//! the bench. The `pwctl` admin CLI lives here too (`src/bin/pwctl.rs`).
+
+pub mod config;
+pub mod error;
+pub mod metrics;
+mod persist;
+mod rendezvous;
+pub mod service;
+mod state;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pagewire_proto::auth::{AttachToken, TokenCheck};
+use pagewire_proto::net::{ClientTls, NetError, ServerTls};
+use pagewire_proto::v1::coordinator_server::CoordinatorServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use config::{Config, ConfigError};
+pub use persist::PersistError;
+
+/// Why the coordinator could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+    #[error("{0}")]
+    StateMismatch(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error("gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// The addresses a started coordinator listens on.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    pub grpc: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+}
+
+async fn bind(addr: &str) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: addr.to_owned(),
+            source,
+        })
+}
+
+/// Runs the coordinator until `shutdown` completes. `on_bound` learns the
+/// addresses once both listeners are up.
+pub async fn run(
+    cfg: Config,
+    token: String,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_bound: impl FnOnce(Bound),
+) -> Result<(), StartError> {
+    cfg.validate()?;
+    let metrics = Arc::new(metrics::Metrics::new());
+    let params = state::Params {
+        cluster_name: cfg.cluster_name.clone(),
+        extent_size: cfg.map.extent_size,
+        page_size: cfg.map.page_size,
+        lease: Duration::from_millis(cfg.lease_ms),
+        heartbeat_interval: Duration::from_millis(cfg.heartbeat_interval_ms()),
+        state_file: cfg.state_file.clone(),
+    };
+    let cluster = state::Cluster::open(params, cfg.map.file_size, cfg.policy()?, metrics.clone())?;
+    let node_tls = cfg.tls.node_ca_file.clone().map(|ca_file| ClientTls {
+        ca_file,
+        domain: cfg.tls.node_domain.clone(),
+    });
+    let shared = Arc::new(service::Shared::new(
+        cluster,
+        metrics.clone(),
+        AttachToken::new(&token).map_err(ConfigError::from)?,
+        node_tls,
+        Duration::from_millis(cfg.node_rpc_timeout_ms),
+    ));
+
+    let grpc = bind(&cfg.listen).await?;
+    let grpc_addr = grpc.local_addr().map_err(|source| StartError::Bind {
+        addr: cfg.listen.clone(),
+        source,
+    })?;
+    let mut metrics_addr = None;
+    let mut background = tokio::task::JoinSet::new();
+    if !cfg.metrics_listen.is_empty() {
+        let l = bind(&cfg.metrics_listen).await?;
+        metrics_addr = l.local_addr().ok();
+        let m = metrics.clone();
+        background.spawn(pagewire_proto::metrics_http::serve(
+            l,
+            Arc::new(move || m.render()),
+        ));
+    }
+    let tick = Duration::from_millis((cfg.lease_ms / 20).clamp(10, 500));
+    background.spawn(shared.clone().lease_loop(tick));
+
+    let mut server = tonic::transport::Server::builder();
+    if let (Some(cert_file), Some(key_file)) = (&cfg.tls.cert_file, &cfg.tls.key_file) {
+        let tls = ServerTls {
+            cert_file: cert_file.clone(),
+            key_file: key_file.clone(),
+            client_ca_file: cfg.tls.client_ca_file.clone(),
+        };
+        server = server.tls_config(tls.config()?)?;
+    }
+    let check = TokenCheck::new(&token).map_err(ConfigError::from)?;
+    let svc = tonic::service::interceptor::InterceptedService::new(
+        CoordinatorServer::new(service::CoordinatorService {
+            shared: shared.clone(),
+        })
+        .max_decoding_message_size(16 << 20)
+        .max_encoding_message_size(256 << 20),
+        check,
+    );
+    tracing::info!(
+        grpc = %grpc_addr,
+        metrics = %metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string()),
+        tls = cfg.tls.cert_file.is_some(),
+        "coordinator listening"
+    );
+    on_bound(Bound {
+        grpc: grpc_addr,
+        metrics: metrics_addr,
+    });
+    let result = server
+        .add_service(svc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
+        .await;
+    background.abort_all();
+    result?;
+    Ok(())
+}

@@ -1,1 +1,21 @@
-//! pagewire-proto: work in progress (see the open issue for this crate).
+//! pagewire-proto: the wire contract of pagewire.
+//!
+//! The gRPC services of the coordinator and of the nodes (package
+//! `pagewire.v1`, in `proto/pagewire/v1/*.proto`, usable from any language),
+//! the Rust code tonic/prost generate from them, and the plumbing every
+//! pagewire endpoint shares: the cluster token carried on every call
+//! ([`auth`]), TLS-aware channels ([`net`]) and the plain-HTTP Prometheus
+//! endpoint ([`metrics_http`]).
+//!
+//! This crate depends on nothing of ours: the node, the coordinator, `pwctl`
+//! and the bench all build on it, never the other way round.
+
+pub mod auth;
+pub mod metrics_http;
+pub mod net;
+
+/// Generated code of package `pagewire.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("pagewire.v1");
+}

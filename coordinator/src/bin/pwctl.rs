@@ -1,0 +1,1089 @@
+//! `pwctl`: the pagewire admin CLI. Talks gRPC to the coordinator (and, for
+//! `stats`, to each node). Human tables by default, `--json` for machines.
+//!
+//! Exit status: 0 on success, 1 when the operation failed (coordinator
+//! unreachable, a node refused, ...), 2 on a usage error.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow};
+use clap::{Parser, Subcommand};
+use pagewire_coordinator::config::{parse_admission, parse_eviction};
+use pagewire_coordinator::error::state_name;
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::net::{self, ClientTls};
+use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::v1::node_client::NodeClient;
+use pagewire_proto::v1::{
+    ByteRange, ClusterRangeRequest, ClusterRangeResponse, DrainRequest, GetMapRequest,
+    ListNodesRequest, NodeInfo, NodeState, NodeStats, OwnershipMap, Policy, SetPolicyRequest,
+    StatsRequest, StatusRequest, Topology,
+};
+use serde_json::{Value, json};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+type Coord = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
+
+/// Writes to stdout; a closed pipe (`pwctl ... | head`) ends pwctl quietly
+/// instead of panicking as `print!` would.
+fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("pwctl: cannot write the output: {e}");
+        std::process::exit(1);
+    }
+}
+
+macro_rules! out {
+    ($($t:tt)*) => { write_stdout(format_args!($($t)*)) };
+}
+
+macro_rules! outln {
+    () => { write_stdout(format_args!("\n")) };
+    ($($t:tt)*) => { write_stdout(format_args!("{}\n", format_args!($($t)*))) };
+}
+
+/// Admin CLI of a pagewire cluster.
+#[derive(Debug, Parser)]
+#[command(name = "pwctl", version)]
+struct Cli {
+    /// Coordinator address (host:port or URL).
+    #[arg(
+        long,
+        global = true,
+        env = "PAGEWIRE_COORDINATOR",
+        default_value = "127.0.0.1:7400"
+    )]
+    coordinator: String,
+    /// File holding the cluster token (else PAGEWIRE_TOKEN).
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the coordinator and nodes with; turns TLS on.
+    #[arg(long, global = true)]
+    tls_ca: Option<PathBuf>,
+    /// Name the servers' certificates carry (with --tls-ca).
+    #[arg(long, global = true, default_value = "localhost")]
+    tls_domain: String,
+    /// Time limit of each call, in milliseconds.
+    #[arg(long, global = true, default_value_t = 10_000)]
+    timeout_ms: u64,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Cluster summary: epoch, file, extents, nodes, policy.
+    Status,
+    /// Members: state, address, capacity, extents, lease.
+    Nodes,
+    /// The ownership map: extents per node against capacity weights.
+    Map {
+        /// Also list which node owns each run of extents.
+        #[arg(long)]
+        extents: bool,
+    },
+    /// Fault a byte range in on its owners. RANGE: START..END, START+LEN or
+    /// "all"; numbers take K, M, G, T suffixes (powers of 1024).
+    Warm { range: String },
+    /// Drop a byte range from its owners' caches (RANGE as for warm).
+    Evict { range: String },
+    /// Move every extent off NODE (it stays a member, with no extents).
+    Drain {
+        node: String,
+        /// Wait up to this many seconds for the node to be drained.
+        #[arg(long, default_value_t = 0)]
+        wait: u64,
+    },
+    /// Let a drained NODE take its share again.
+    Undrain { node: String },
+    /// Per-node counters (asked of each node; from its last heartbeat when
+    /// it cannot be reached).
+    Stats {
+        /// Refresh every this many seconds until interrupted.
+        #[arg(long, value_name = "SECS")]
+        watch: Option<u64>,
+    },
+    /// NUMA layout of each node.
+    Topology,
+    /// Show the admission/eviction policy, or change it.
+    Policy {
+        /// always | second-hit
+        #[arg(long)]
+        admission: Option<String>,
+        /// clock | lru | fifo
+        #[arg(long)]
+        eviction: Option<String>,
+        /// Start evicting at this fill level (percent).
+        #[arg(long)]
+        high_watermark: Option<u32>,
+        /// Evict down to this fill level (percent).
+        #[arg(long)]
+        low_watermark: Option<u32>,
+    },
+}
+
+/// A usage problem found after parsing (exit status 2).
+#[derive(Debug)]
+struct Usage(String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pwctl: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(ok) => {
+            if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("pwctl: {e:#}");
+            if e.downcast_ref::<Usage>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+struct Ctx {
+    token: AttachToken,
+    tls: Option<ClientTls>,
+    timeout: Duration,
+    json: bool,
+}
+
+fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
+    let t = if let Some(path) = &cli.token_file {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read token file {}", path.display()))?
+            .trim()
+            .to_owned()
+    } else if let Ok(t) = std::env::var("PAGEWIRE_TOKEN") {
+        t
+    } else {
+        return Err(
+            Usage("no cluster token: pass --token-file FILE or set PAGEWIRE_TOKEN".into()).into(),
+        );
+    };
+    AttachToken::new(&t).map_err(|e| Usage(format!("bad cluster token: {e}")).into())
+}
+
+async fn coordinator(cli: &Cli, ctx: &Ctx) -> anyhow::Result<Coord> {
+    let channel = net::connect(&cli.coordinator, ctx.tls.as_ref(), ctx.timeout)
+        .await
+        .map_err(|e| {
+            let cause = match &e {
+                net::NetError::Connect { source, .. } => error_chain(source),
+                other => error_chain(other),
+            };
+            anyhow!(
+                "cannot reach the coordinator at {}: {cause}; is it running? (set --coordinator or PAGEWIRE_COORDINATOR)",
+                cli.coordinator,
+            )
+        })?;
+    Ok(
+        CoordinatorClient::with_interceptor(channel, ctx.token.clone())
+            .max_decoding_message_size(256 << 20),
+    )
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(ctx.timeout);
+    r
+}
+
+fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
+    anyhow!("{what} failed: {:?}: {}", s.code(), s.message())
+}
+
+async fn run(cli: Cli) -> anyhow::Result<bool> {
+    let ctx = Ctx {
+        token: token(&cli)?,
+        tls: cli.tls_ca.clone().map(|ca_file| ClientTls {
+            ca_file,
+            domain: cli.tls_domain.clone(),
+        }),
+        timeout: Duration::from_millis(cli.timeout_ms.max(1)),
+        json: cli.json,
+    };
+    // Check arguments before touching the network.
+    let range = match &cli.cmd {
+        Cmd::Warm { range } | Cmd::Evict { range } => {
+            Some(parse_range(range).map_err(|e| Usage(format!("bad RANGE {range:?}: {e}")))?)
+        }
+        _ => None,
+    };
+    let policy_change = match &cli.cmd {
+        Cmd::Policy {
+            admission,
+            eviction,
+            high_watermark,
+            low_watermark,
+        } => {
+            let a = admission
+                .as_deref()
+                .map(|a| {
+                    parse_admission(a).ok_or_else(|| {
+                        Usage(format!(
+                            "bad --admission {a:?}: expected always or second-hit"
+                        ))
+                    })
+                })
+                .transpose()?;
+            let e = eviction
+                .as_deref()
+                .map(|e| {
+                    parse_eviction(e).ok_or_else(|| {
+                        Usage(format!("bad --eviction {e:?}: expected clock, lru or fifo"))
+                    })
+                })
+                .transpose()?;
+            (a.is_some() || e.is_some() || high_watermark.is_some() || low_watermark.is_some())
+                .then_some((a, e, *high_watermark, *low_watermark))
+        }
+        _ => None,
+    };
+    let mut c = coordinator(&cli, &ctx).await?;
+    match &cli.cmd {
+        Cmd::Status => {
+            let s = c
+                .status(req(&ctx, StatusRequest {}))
+                .await
+                .map_err(|e| status_err("status", e))?
+                .into_inner();
+            if ctx.json {
+                print_json(&json!({
+                    "cluster": s.cluster_name, "epoch": s.epoch, "file_size": s.file_size,
+                    "extent_size": s.extent_size, "page_size": s.page_size,
+                    "extents": s.extent_count, "extents_unowned": s.extents_unowned,
+                    "extents_in_handoff": s.extents_in_handoff, "nodes_alive": s.nodes_alive,
+                    "nodes_total": s.nodes_total, "lease_ms": s.lease_ms,
+                    "policy": s.policy.map(|p| policy_json(&p)), "uptime_ms": s.uptime_ms,
+                    "version": s.version,
+                }));
+            } else {
+                let p = s.policy.unwrap_or_default();
+                let rows = vec![
+                    vec!["cluster".into(), s.cluster_name],
+                    vec![
+                        "coordinator".into(),
+                        format!(
+                            "{} (v{}, up {})",
+                            cli.coordinator,
+                            s.version,
+                            human_ms(s.uptime_ms)
+                        ),
+                    ],
+                    vec!["epoch".into(), s.epoch.to_string()],
+                    vec![
+                        "file".into(),
+                        format!("{} ({} bytes)", human_bytes(s.file_size), s.file_size),
+                    ],
+                    vec![
+                        "extents".into(),
+                        format!(
+                            "{} of {}, {} unowned, {} in handoff",
+                            s.extent_count,
+                            human_bytes(s.extent_size),
+                            s.extents_unowned,
+                            s.extents_in_handoff
+                        ),
+                    ],
+                    vec!["page size".into(), human_bytes(u64::from(s.page_size))],
+                    vec![
+                        "nodes".into(),
+                        format!(
+                            "{} holding a lease, {} members",
+                            s.nodes_alive, s.nodes_total
+                        ),
+                    ],
+                    vec!["lease".into(), human_ms(s.lease_ms)],
+                    vec!["policy".into(), policy_text(&p)],
+                ];
+                out!("{}", table(&[], &rows));
+            }
+            Ok(true)
+        }
+        Cmd::Nodes => {
+            let nodes = list_nodes(&mut c, &ctx).await?;
+            if ctx.json {
+                print_json(&Value::Array(nodes.iter().map(node_json).collect()));
+            } else {
+                let rows = nodes
+                    .iter()
+                    .map(|n| {
+                        vec![
+                            n.node_id.clone(),
+                            n.index.to_string(),
+                            state_name(n.state()).into(),
+                            n.grpc_address.clone(),
+                            human_bytes(n.capacity_bytes),
+                            n.extents_owned.to_string(),
+                            if n.lease_remaining_ms > 0 {
+                                human_ms(n.lease_remaining_ms)
+                            } else {
+                                "-".into()
+                            },
+                            n.applied_epoch.to_string(),
+                            n.transports
+                                .iter()
+                                .map(|t| t.kind.clone())
+                                .collect::<Vec<_>>()
+                                .join(","),
+                        ]
+                    })
+                    .collect::<Vec<_>>();
+                out!(
+                    "{}",
+                    table(
+                        &[
+                            "NODE",
+                            "INDEX",
+                            "STATE",
+                            "ADDRESS",
+                            "CAPACITY",
+                            "EXTENTS",
+                            "LEASE LEFT",
+                            "APPLIED EPOCH",
+                            "TRANSPORTS"
+                        ],
+                        &rows
+                    )
+                );
+            }
+            Ok(true)
+        }
+        Cmd::Map { extents } => {
+            let map = c
+                .get_map(req(&ctx, GetMapRequest {}))
+                .await
+                .map_err(|e| status_err("map", e))?
+                .into_inner();
+            let nodes = list_nodes(&mut c, &ctx).await?;
+            print_map(&map, &nodes, *extents, ctx.json);
+            Ok(true)
+        }
+        Cmd::Warm { .. } | Cmd::Evict { .. } => {
+            let (offset, length) = range.unwrap_or((0, u64::MAX));
+            let r = ClusterRangeRequest {
+                range: Some(ByteRange { offset, length }),
+            };
+            let (what, resp) = if matches!(cli.cmd, Cmd::Warm { .. }) {
+                ("warm", c.warm(req(&ctx, r)).await)
+            } else {
+                ("evict", c.evict(req(&ctx, r)).await)
+            };
+            let resp = resp.map_err(|e| status_err(what, e))?.into_inner();
+            Ok(print_range_result(what, &resp, ctx.json))
+        }
+        Cmd::Drain { node, wait } => {
+            let r = c
+                .drain(req(
+                    &ctx,
+                    DrainRequest {
+                        node_id: node.clone(),
+                    },
+                ))
+                .await
+                .map_err(|e| status_err("drain", e))?
+                .into_inner();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(*wait);
+            let mut state = NodeState::Draining;
+            while *wait > 0 && state == NodeState::Draining {
+                let nodes = list_nodes(&mut c, &ctx).await?;
+                state = nodes
+                    .iter()
+                    .find(|n| &n.node_id == node)
+                    .map_or(NodeState::Unspecified, NodeInfo::state);
+                if tokio::time::Instant::now() >= deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if ctx.json {
+                print_json(
+                    &json!({"node": node, "epoch": r.map_epoch, "extents_moved": r.extents_moved, "state": state_name(state)}),
+                );
+            } else {
+                outln!(
+                    "draining {node}: {} extents move away (epoch {})",
+                    r.extents_moved,
+                    r.map_epoch
+                );
+                if *wait > 0 {
+                    outln!("{node} is {}", state_name(state));
+                }
+            }
+            Ok(*wait == 0 || state == NodeState::Drained)
+        }
+        Cmd::Undrain { node } => {
+            let r = c
+                .undrain(req(
+                    &ctx,
+                    DrainRequest {
+                        node_id: node.clone(),
+                    },
+                ))
+                .await
+                .map_err(|e| status_err("undrain", e))?
+                .into_inner();
+            if ctx.json {
+                print_json(&json!({"node": node, "epoch": r.map_epoch}));
+            } else {
+                outln!("{node} takes its share again (epoch {})", r.map_epoch);
+            }
+            Ok(true)
+        }
+        Cmd::Stats { watch } => loop {
+            let nodes = list_nodes(&mut c, &ctx).await?;
+            let rows = collect_stats(&nodes, &ctx).await;
+            if watch.is_some() && !ctx.json {
+                out!("\x1b[2J\x1b[H");
+            }
+            print_stats(&rows, ctx.json);
+            match watch {
+                Some(secs) => tokio::time::sleep(Duration::from_secs((*secs).max(1))).await,
+                None => return Ok(true),
+            }
+        },
+        Cmd::Topology => {
+            let nodes = list_nodes(&mut c, &ctx).await?;
+            print_topology(&nodes, ctx.json);
+            Ok(true)
+        }
+        Cmd::Policy { .. } => {
+            let current = c
+                .status(req(&ctx, StatusRequest {}))
+                .await
+                .map_err(|e| status_err("status", e))?
+                .into_inner()
+                .policy
+                .unwrap_or_default();
+            let p = if let Some((a, e, hi, lo)) = policy_change {
+                let mut p = current;
+                if let Some(a) = a {
+                    p.set_admission(a);
+                }
+                if let Some(e) = e {
+                    p.set_eviction(e);
+                }
+                if let Some(hi) = hi {
+                    p.high_watermark_percent = hi;
+                }
+                if let Some(lo) = lo {
+                    p.low_watermark_percent = lo;
+                }
+                c.set_policy(req(&ctx, SetPolicyRequest { policy: Some(p) }))
+                    .await
+                    .map_err(|e| status_err("policy", e))?
+                    .into_inner()
+                    .policy
+                    .unwrap_or_default()
+            } else {
+                current
+            };
+            if ctx.json {
+                print_json(&policy_json(&p));
+            } else {
+                outln!("{}", policy_text(&p));
+            }
+            Ok(true)
+        }
+    }
+}
+
+async fn list_nodes(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<Vec<NodeInfo>> {
+    Ok(c.list_nodes(req(ctx, ListNodesRequest {}))
+        .await
+        .map_err(|e| status_err("nodes", e))?
+        .into_inner()
+        .nodes)
+}
+
+/// Parses a size: digits with an optional K, M, G or T suffix (powers of 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let t = s.trim_end_matches(['B', 'b']).trim_end_matches("i");
+    let (digits, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
+        Some('t' | 'T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let n: u64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// Parses RANGE into (offset, length).
+fn parse_range(s: &str) -> Result<(u64, u64), String> {
+    if s == "all" {
+        return Ok((0, u64::MAX));
+    }
+    if let Some((a, b)) = s.split_once("..") {
+        let start = parse_size(a)?;
+        let end = parse_size(b)?;
+        if end <= start {
+            return Err("END must be above START".into());
+        }
+        return Ok((start, end - start));
+    }
+    if let Some((a, b)) = s.split_once('+') {
+        let len = parse_size(b)?;
+        if len == 0 {
+            return Err("LEN must be > 0".into());
+        }
+        return Ok((parse_size(a)?, len));
+    }
+    Err("expected START..END, START+LEN or all".into())
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+fn human_ms(ms: u64) -> String {
+    if ms < 10_000 {
+        format!("{ms} ms")
+    } else if ms < 600_000 {
+        format!("{:.1} s", ms as f64 / 1000.0)
+    } else {
+        format!("{:.1} min", ms as f64 / 60_000.0)
+    }
+}
+
+fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let cols = rows
+        .iter()
+        .map(Vec::len)
+        .chain([headers.len()])
+        .max()
+        .unwrap_or(0);
+    let mut width = vec![0usize; cols];
+    for (i, h) in headers.iter().enumerate() {
+        width[i] = h.len();
+    }
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut l = String::new();
+        for (i, c) in cells.enumerate() {
+            if i > 0 {
+                l.push_str("  ");
+            }
+            l.push_str(c);
+            l.extend(std::iter::repeat_n(
+                ' ',
+                width[i].saturating_sub(c.chars().count()),
+            ));
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    if !headers.is_empty() {
+        line(&mut headers.iter().copied());
+    }
+    for r in rows {
+        line(&mut r.iter().map(String::as_str));
+    }
+    out
+}
+
+fn print_json(v: &Value) {
+    outln!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+}
+
+fn policy_json(p: &Policy) -> Value {
+    json!({
+        "version": p.version,
+        "admission": admission_name(p),
+        "eviction": eviction_name(p),
+        "high_watermark_percent": p.high_watermark_percent,
+        "low_watermark_percent": p.low_watermark_percent,
+    })
+}
+
+fn admission_name(p: &Policy) -> &'static str {
+    use pagewire_proto::v1::AdmissionPolicy as A;
+    match p.admission() {
+        A::Always => "always",
+        A::SecondHit => "second-hit",
+        A::Unspecified => "unspecified",
+    }
+}
+
+fn eviction_name(p: &Policy) -> &'static str {
+    use pagewire_proto::v1::EvictionPolicy as E;
+    match p.eviction() {
+        E::Clock => "clock",
+        E::Lru => "lru",
+        E::Fifo => "fifo",
+        E::Unspecified => "unspecified",
+    }
+}
+
+fn policy_text(p: &Policy) -> String {
+    format!(
+        "admission {}, eviction {}, watermarks {}%/{}% (version {})",
+        admission_name(p),
+        eviction_name(p),
+        p.high_watermark_percent,
+        p.low_watermark_percent,
+        p.version
+    )
+}
+
+fn topology_json(t: &Topology) -> Value {
+    json!({
+        "source": t.source,
+        "hostname": t.hostname,
+        "numa_nodes": t.numa_nodes.iter().map(|n| json!({
+            "os_index": n.os_index, "memory_bytes": n.memory_bytes, "cpus": n.cpus,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn stats_json(s: &NodeStats) -> Value {
+    json!({
+        "hits": s.hits, "misses": s.misses, "faults": s.faults, "evictions": s.evictions,
+        "retries": s.retries, "bytes_served": s.bytes_served, "writes": s.writes,
+        "pages_resident": s.pages_resident, "capacity_pages": s.capacity_pages,
+        "extents_owned": s.extents_owned, "stale_map_rejections": s.stale_map_rejections,
+    })
+}
+
+fn node_json(n: &NodeInfo) -> Value {
+    json!({
+        "node_id": n.node_id, "index": n.index, "state": state_name(n.state()),
+        "grpc_address": n.grpc_address, "metrics_address": n.metrics_address,
+        "capacity_bytes": n.capacity_bytes, "extents_owned": n.extents_owned,
+        "lease_remaining_ms": n.lease_remaining_ms, "applied_epoch": n.applied_epoch,
+        "incarnation": n.incarnation,
+        "topology": n.topology.as_ref().map(topology_json),
+        "transports": n.transports.iter().map(|t| json!({
+            "kind": t.kind, "endpoint": t.endpoint, "address": t.address, "length": t.length,
+            "rkey": t.rkey, "epoch": t.epoch,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn print_map(map: &OwnershipMap, nodes: &[NodeInfo], extents: bool, as_json: bool) {
+    let total = map.owner.len() as u64;
+    let weight_total: u64 = nodes
+        .iter()
+        .filter(|n| n.state() == NodeState::Alive)
+        .map(|n| n.capacity_bytes)
+        .sum();
+    let mut max_dev: f64 = 0.0;
+    let mut rows = Vec::new();
+    let mut per_node = Vec::new();
+    for n in nodes {
+        let owned = map.owner.iter().filter(|&&o| o == n.index).count() as u64;
+        let handing = map.previous_owner.iter().filter(|&&p| p == n.index).count() as u64;
+        let weight = if n.state() == NodeState::Alive && weight_total > 0 {
+            n.capacity_bytes as f64 / weight_total as f64
+        } else {
+            0.0
+        };
+        let share = if total > 0 {
+            owned as f64 / total as f64
+        } else {
+            0.0
+        };
+        let dev = (weight > 0.0).then(|| (share - weight) / weight * 100.0);
+        if let Some(d) = dev {
+            max_dev = max_dev.max(d.abs());
+        }
+        rows.push(vec![
+            n.node_id.clone(),
+            n.index.to_string(),
+            state_name(n.state()).into(),
+            human_bytes(n.capacity_bytes),
+            format!("{:.1}%", weight * 100.0),
+            owned.to_string(),
+            format!("{:.1}%", share * 100.0),
+            dev.map_or("-".into(), |d| format!("{d:+.1}%")),
+            handing.to_string(),
+        ]);
+        per_node.push(json!({
+            "node_id": n.node_id, "index": n.index, "state": state_name(n.state()),
+            "capacity_bytes": n.capacity_bytes, "weight": weight, "extents": owned,
+            "share": share, "deviation_percent": dev, "handing_off": handing,
+        }));
+    }
+    let runs = extent_runs(map, nodes);
+    if as_json {
+        let mut v = json!({
+            "epoch": map.epoch, "file_size": map.file_size, "extent_size": map.extent_size,
+            "page_size": map.page_size, "extents": total,
+            "unowned": map.owner.iter().filter(|&&o| o == 0).count(),
+            "in_handoff": map.previous_owner.iter().filter(|&&p| p != 0).count(),
+            "max_deviation_percent": max_dev, "nodes": per_node,
+        });
+        if extents {
+            v["runs"] = Value::Array(
+                runs.iter()
+                    .map(|(a, b, n)| json!({"first": a, "last": b, "node": n}))
+                    .collect(),
+            );
+        }
+        print_json(&v);
+        return;
+    }
+    outln!(
+        "epoch {}  {} extents of {}  file {}  in handoff {}  unowned {}",
+        map.epoch,
+        total,
+        human_bytes(map.extent_size),
+        human_bytes(map.file_size),
+        map.previous_owner.iter().filter(|&&p| p != 0).count(),
+        map.owner.iter().filter(|&&o| o == 0).count()
+    );
+    out!(
+        "{}",
+        table(
+            &[
+                "NODE",
+                "INDEX",
+                "STATE",
+                "CAPACITY",
+                "WEIGHT",
+                "EXTENTS",
+                "SHARE",
+                "DEVIATION",
+                "HANDING OFF"
+            ],
+            &rows
+        )
+    );
+    outln!("balance: largest deviation from capacity weight {max_dev:.1}%");
+    if extents {
+        let rows: Vec<Vec<String>> = runs
+            .iter()
+            .map(|(a, b, n)| {
+                vec![
+                    if a == b {
+                        a.to_string()
+                    } else {
+                        format!("{a}-{b}")
+                    },
+                    n.clone(),
+                ]
+            })
+            .collect();
+        out!("{}", table(&["EXTENTS", "OWNER"], &rows));
+    }
+}
+
+fn extent_runs(map: &OwnershipMap, nodes: &[NodeInfo]) -> Vec<(u64, u64, String)> {
+    let name = |i: u32| {
+        nodes.iter().find(|n| n.index == i).map_or_else(
+            || {
+                if i == 0 {
+                    "-".to_owned()
+                } else {
+                    format!("#{i}")
+                }
+            },
+            |n| n.node_id.clone(),
+        )
+    };
+    let mut runs: Vec<(u64, u64, String)> = Vec::new();
+    let mut last = None;
+    for (e, &o) in map.owner.iter().enumerate() {
+        let e = e as u64;
+        match (last, runs.last_mut()) {
+            (Some(l), Some(r)) if l == o => r.1 = e,
+            _ => runs.push((e, e, name(o))),
+        }
+        last = Some(o);
+    }
+    runs
+}
+
+fn print_range_result(what: &str, r: &ClusterRangeResponse, as_json: bool) -> bool {
+    let ok = r.results.iter().all(|n| n.error.is_empty());
+    if as_json {
+        print_json(&json!({
+            "operation": what, "epoch": r.map_epoch, "ok": ok,
+            "nodes": r.results.iter().map(|n| json!({"node_id": n.node_id, "pages": n.pages, "error": n.error})).collect::<Vec<_>>(),
+        }));
+    } else {
+        let rows: Vec<Vec<String>> = r
+            .results
+            .iter()
+            .map(|n| {
+                vec![
+                    if n.node_id.is_empty() {
+                        "-".into()
+                    } else {
+                        n.node_id.clone()
+                    },
+                    n.pages.to_string(),
+                    if n.error.is_empty() {
+                        "ok".into()
+                    } else {
+                        n.error.clone()
+                    },
+                ]
+            })
+            .collect();
+        outln!("{what} at epoch {}", r.map_epoch);
+        out!("{}", table(&["NODE", "PAGES", "RESULT"], &rows));
+    }
+    if !ok {
+        eprintln!("pwctl: {what} failed on some nodes");
+    }
+    ok
+}
+
+struct StatsRow {
+    node: String,
+    source: String,
+    stats: NodeStats,
+}
+
+async fn collect_stats(nodes: &[NodeInfo], ctx: &Ctx) -> Vec<StatsRow> {
+    let mut out = Vec::new();
+    for n in nodes.iter().filter(|n| {
+        matches!(
+            n.state(),
+            NodeState::Alive | NodeState::Draining | NodeState::Drained
+        )
+    }) {
+        let live = async {
+            let ch = net::connect(&n.grpc_address, ctx.tls.as_ref(), ctx.timeout)
+                .await
+                .map_err(|e| error_chain(&e))?;
+            let mut client = NodeClient::with_interceptor(ch, ctx.token.clone());
+            client
+                .stats(req(ctx, StatsRequest {}))
+                .await
+                .map(|r| r.into_inner().stats.unwrap_or_default())
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+        }
+        .await;
+        out.push(match live {
+            Ok(stats) => StatsRow {
+                node: n.node_id.clone(),
+                source: "node".into(),
+                stats,
+            },
+            Err(e) => StatsRow {
+                node: n.node_id.clone(),
+                source: format!("last heartbeat (node: {e})"),
+                stats: n.stats.unwrap_or_default(),
+            },
+        });
+    }
+    out
+}
+
+fn print_stats(rows: &[StatsRow], as_json: bool) {
+    if as_json {
+        let v: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                let mut s = stats_json(&r.stats);
+                s["node_id"] = json!(r.node);
+                s["source"] = json!(r.source);
+                s
+            })
+            .collect();
+        outln!("{}", serde_json::to_string(&v).unwrap_or_default());
+        return;
+    }
+    let t: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let s = &r.stats;
+            vec![
+                r.node.clone(),
+                s.hits.to_string(),
+                s.misses.to_string(),
+                s.faults.to_string(),
+                s.evictions.to_string(),
+                s.retries.to_string(),
+                human_bytes(s.bytes_served),
+                format!("{}/{}", s.pages_resident, s.capacity_pages),
+                s.extents_owned.to_string(),
+                r.source.clone(),
+            ]
+        })
+        .collect();
+    out!(
+        "{}",
+        table(
+            &[
+                "NODE",
+                "HITS",
+                "MISSES",
+                "FAULTS",
+                "EVICTIONS",
+                "RETRIES",
+                "SERVED",
+                "RESIDENT",
+                "EXTENTS",
+                "SOURCE"
+            ],
+            &t
+        )
+    );
+}
+
+fn cpu_list(cpus: &[u32]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            cpus[i].to_string()
+        } else {
+            format!("{}-{}", cpus[i], cpus[j])
+        });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+fn print_topology(nodes: &[NodeInfo], as_json: bool) {
+    if as_json {
+        print_json(&Value::Array(
+            nodes
+                .iter()
+                .map(|n| json!({"node_id": n.node_id, "topology": n.topology.as_ref().map(topology_json)}))
+                .collect(),
+        ));
+        return;
+    }
+    let mut rows = Vec::new();
+    for n in nodes {
+        let t = n.topology.clone().unwrap_or_default();
+        if t.numa_nodes.is_empty() {
+            rows.push(vec![
+                n.node_id.clone(),
+                t.hostname.clone(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                t.source.clone(),
+            ]);
+        }
+        for numa in &t.numa_nodes {
+            rows.push(vec![
+                n.node_id.clone(),
+                t.hostname.clone(),
+                numa.os_index.to_string(),
+                cpu_list(&numa.cpus),
+                if numa.memory_bytes > 0 {
+                    human_bytes(numa.memory_bytes)
+                } else {
+                    "?".into()
+                },
+                t.source.clone(),
+            ]);
+        }
+    }
+    out!(
+        "{}",
+        table(&["NODE", "HOST", "NUMA", "CPUS", "MEMORY", "SOURCE"], &rows)
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_ranges() {
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("17").unwrap(), 17);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999T").is_err());
+        assert_eq!(parse_range("1M..3M").unwrap(), (1 << 20, 2 << 20));
+        assert_eq!(parse_range("0+4K").unwrap(), (0, 4096));
+        assert_eq!(parse_range("all").unwrap(), (0, u64::MAX));
+        assert!(parse_range("3M..1M").is_err());
+        assert!(parse_range("5").is_err());
+    }
+
+    #[test]
+    fn cpu_lists_compress() {
+        assert_eq!(cpu_list(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+    }
+
+    #[test]
+    fn table_aligns() {
+        let t = table(&["A", "BB"], &[vec!["xxx".into(), "y".into()]]);
+        assert_eq!(t, "A    BB\nxxx  y\n");
+    }
+}

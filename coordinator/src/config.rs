@@ -1,0 +1,314 @@
+//! Coordinator configuration: a TOML file (every option is documented in
+//! `coordinator/coordinator.example.toml`), overridden by command-line flags.
+
+use std::path::{Path, PathBuf};
+
+use pagewire_proto::v1::{AdmissionPolicy, EvictionPolicy, Policy};
+use serde::Deserialize;
+
+/// Why a configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("bad config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("cannot read token file {path}: {source}")]
+    TokenFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("bad cluster token: {0}")]
+    Token(#[from] pagewire_proto::auth::TokenError),
+    #[error("invalid setting `{key}`: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        reason: reason.into(),
+    }
+}
+
+/// The whole configuration, as read from TOML.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub cluster_name: String,
+    pub listen: String,
+    pub metrics_listen: String,
+    pub state_file: PathBuf,
+    pub token: String,
+    pub token_file: Option<PathBuf>,
+    pub lease_ms: u64,
+    pub heartbeat_interval_ms: u64,
+    pub node_rpc_timeout_ms: u64,
+    pub log: String,
+    pub map: MapConfig,
+    pub policy: PolicyConfig,
+    pub tls: TlsConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MapConfig {
+    pub file_size: u64,
+    pub extent_size: u64,
+    pub page_size: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    pub admission: String,
+    pub eviction: String,
+    pub high_watermark_percent: u32,
+    pub low_watermark_percent: u32,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub client_ca_file: Option<PathBuf>,
+    pub node_ca_file: Option<PathBuf>,
+    pub node_domain: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            cluster_name: "pagewire".into(),
+            listen: "127.0.0.1:7400".into(),
+            metrics_listen: "127.0.0.1:7401".into(),
+            state_file: PathBuf::from("pagewire-coordinator.state"),
+            token: String::new(),
+            token_file: None,
+            lease_ms: 3000,
+            heartbeat_interval_ms: 0,
+            node_rpc_timeout_ms: 30_000,
+            log: "info".into(),
+            map: MapConfig::default(),
+            policy: PolicyConfig::default(),
+            tls: TlsConfig::default(),
+        }
+    }
+}
+
+impl Default for MapConfig {
+    fn default() -> Self {
+        Self {
+            file_size: 0,
+            extent_size: 2 << 20,
+            page_size: 4096,
+        }
+    }
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            admission: "always".into(),
+            eviction: "clock".into(),
+            high_watermark_percent: 95,
+            low_watermark_percent: 85,
+        }
+    }
+}
+
+/// Parses an admission policy name as written in config files and flags.
+pub fn parse_admission(s: &str) -> Option<AdmissionPolicy> {
+    match s {
+        "always" => Some(AdmissionPolicy::Always),
+        "second-hit" => Some(AdmissionPolicy::SecondHit),
+        _ => None,
+    }
+}
+
+/// Parses an eviction policy name as written in config files and flags.
+pub fn parse_eviction(s: &str) -> Option<EvictionPolicy> {
+    match s {
+        "clock" => Some(EvictionPolicy::Clock),
+        "lru" => Some(EvictionPolicy::Lru),
+        "fifo" => Some(EvictionPolicy::Fifo),
+        _ => None,
+    }
+}
+
+/// Checks a policy's fields (from a config file or a SetPolicy call).
+pub fn validate_policy(p: &Policy) -> Result<(), String> {
+    if p.admission() == AdmissionPolicy::Unspecified {
+        return Err(format!("unknown admission policy {}", p.admission));
+    }
+    if p.eviction() == EvictionPolicy::Unspecified {
+        return Err(format!("unknown eviction policy {}", p.eviction));
+    }
+    if p.high_watermark_percent == 0 || p.high_watermark_percent > 100 {
+        return Err("high_watermark_percent must be in 1..=100".into());
+    }
+    if p.low_watermark_percent >= p.high_watermark_percent {
+        return Err("low_watermark_percent must be below high_watermark_percent".into());
+    }
+    Ok(())
+}
+
+impl Config {
+    /// Reads `path`, or the defaults when `path` is `None`.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source: Box::new(source),
+        })
+    }
+
+    /// The policy the config asks for (version 1).
+    pub fn policy(&self) -> Result<Policy, ConfigError> {
+        let admission = parse_admission(&self.policy.admission).ok_or_else(|| {
+            invalid(
+                "policy.admission",
+                format!("{:?}: expected always or second-hit", self.policy.admission),
+            )
+        })?;
+        let eviction = parse_eviction(&self.policy.eviction).ok_or_else(|| {
+            invalid(
+                "policy.eviction",
+                format!("{:?}: expected clock, lru or fifo", self.policy.eviction),
+            )
+        })?;
+        let p = Policy {
+            version: 1,
+            admission: admission.into(),
+            eviction: eviction.into(),
+            high_watermark_percent: self.policy.high_watermark_percent,
+            low_watermark_percent: self.policy.low_watermark_percent,
+        };
+        validate_policy(&p).map_err(|r| invalid("policy", r))?;
+        Ok(p)
+    }
+
+    /// The cluster token: `token`, else the contents of `token_file`, else the
+    /// `PAGEWIRE_TOKEN` environment variable (already folded in by the caller).
+    pub fn resolve_token(&self) -> Result<String, ConfigError> {
+        let token = if !self.token.is_empty() {
+            self.token.clone()
+        } else if let Some(path) = &self.token_file {
+            std::fs::read_to_string(path)
+                .map_err(|source| ConfigError::TokenFile {
+                    path: path.clone(),
+                    source,
+                })?
+                .trim()
+                .to_owned()
+        } else {
+            return Err(invalid(
+                "token",
+                "no cluster token: set `token` or `token_file` in the config, \
+                 --token-file, or PAGEWIRE_TOKEN",
+            ));
+        };
+        pagewire_proto::auth::validate_token(&token)?;
+        Ok(token)
+    }
+
+    /// Checks everything that does not need the outside world.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.lease_ms < 100 {
+            return Err(invalid("lease_ms", "must be at least 100"));
+        }
+        if self.heartbeat_interval_ms != 0 && self.heartbeat_interval_ms >= self.lease_ms {
+            return Err(invalid(
+                "heartbeat_interval_ms",
+                "must be shorter than lease_ms",
+            ));
+        }
+        let ps = u64::from(self.map.page_size);
+        if !self.map.page_size.is_power_of_two() || !(512..=(1 << 21)).contains(&ps) {
+            return Err(invalid(
+                "map.page_size",
+                "must be a power of two between 512 and 2 MiB",
+            ));
+        }
+        if self.map.extent_size == 0 || !self.map.extent_size.is_multiple_of(ps) {
+            return Err(invalid(
+                "map.extent_size",
+                "must be a non-zero multiple of map.page_size",
+            ));
+        }
+        if self.map.file_size != 0 && self.map.file_size.div_ceil(self.map.extent_size) > 1 << 24 {
+            return Err(invalid(
+                "map.extent_size",
+                "too small for this file: more than 16 Mi extents",
+            ));
+        }
+        if self.cluster_name.is_empty() {
+            return Err(invalid("cluster_name", "must not be empty"));
+        }
+        if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
+            return Err(invalid("tls", "cert_file and key_file go together"));
+        }
+        if self.tls.node_ca_file.is_some() && self.tls.node_domain.is_empty() {
+            return Err(invalid(
+                "tls.node_domain",
+                "required with tls.node_ca_file: the name the nodes' certificates carry",
+            ));
+        }
+        self.policy()?;
+        Ok(())
+    }
+
+    /// The heartbeat interval handed to nodes.
+    pub fn heartbeat_interval_ms(&self) -> u64 {
+        if self.heartbeat_interval_ms == 0 {
+            (self.lease_ms / 3).max(1)
+        } else {
+            self.heartbeat_interval_ms
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_parses_and_validates() {
+        let text = include_str!("../coordinator.example.toml");
+        let cfg: Config = toml::from_str(text).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.map.extent_size, 2 << 20);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        assert!(toml::from_str::<Config>("leese_ms = 5").is_err());
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        let mut cfg = Config::default();
+        cfg.map.extent_size = 1000;
+        assert!(cfg.validate().is_err());
+        let mut cfg = Config::default();
+        cfg.policy.eviction = "random".into();
+        assert!(cfg.validate().is_err());
+    }
+}

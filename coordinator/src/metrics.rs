@@ -1,0 +1,148 @@
+//! The coordinator's Prometheus metrics (served as text on `/metrics`).
+
+use std::sync::Mutex;
+
+use pagewire_proto::v1::{NodeState, OwnershipMap};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::error::state_name;
+
+type Labels = Vec<(String, String)>;
+
+pub struct Metrics {
+    registry: Registry,
+    epoch: Gauge,
+    extents: Gauge,
+    extents_in_handoff: Gauge,
+    extents_owned: Family<Labels, Gauge>,
+    nodes: Family<Labels, Gauge>,
+    pub(crate) registrations: Counter,
+    pub(crate) heartbeats: Counter,
+    pub(crate) deaths: Counter,
+    pub(crate) map_changes: Counter,
+    pub(crate) rpc_errors: Family<Labels, Counter>,
+    /// Label sets set last time, to zero the ones that went away.
+    last_owned: Mutex<Vec<Labels>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("pagewire_coordinator");
+        let m = Self {
+            epoch: Gauge::default(),
+            extents: Gauge::default(),
+            extents_in_handoff: Gauge::default(),
+            extents_owned: Family::default(),
+            nodes: Family::default(),
+            registrations: Counter::default(),
+            heartbeats: Counter::default(),
+            deaths: Counter::default(),
+            map_changes: Counter::default(),
+            rpc_errors: Family::default(),
+            last_owned: Mutex::new(Vec::new()),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "map_epoch",
+            "Epoch of the current ownership map",
+            m.epoch.clone(),
+        );
+        registry.register("extents", "Extents the file is cut into", m.extents.clone());
+        registry.register(
+            "extents_in_handoff",
+            "Extents whose previous owner still serves them",
+            m.extents_in_handoff.clone(),
+        );
+        registry.register(
+            "extents_owned",
+            "Extents owned by each node",
+            m.extents_owned.clone(),
+        );
+        registry.register("nodes", "Members by state", m.nodes.clone());
+        registry.register(
+            "registrations",
+            "Node registrations",
+            m.registrations.clone(),
+        );
+        registry.register("heartbeats", "Heartbeats accepted", m.heartbeats.clone());
+        registry.register(
+            "nodes_declared_dead",
+            "Nodes declared dead after missing their lease",
+            m.deaths.clone(),
+        );
+        registry.register(
+            "map_changes",
+            "New ownership map epochs published",
+            m.map_changes.clone(),
+        );
+        registry.register(
+            "rpc_errors",
+            "gRPC calls that failed, by method and code",
+            m.rpc_errors.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    pub(crate) fn observe_map(&self, map: &OwnershipMap, members: &[(String, NodeState)]) {
+        self.epoch.set(i64::try_from(map.epoch).unwrap_or(i64::MAX));
+        self.extents
+            .set(i64::try_from(map.owner.len()).unwrap_or(i64::MAX));
+        self.extents_in_handoff.set(
+            i64::try_from(map.previous_owner.iter().filter(|&&p| p != 0).count()).unwrap_or(0),
+        );
+        let mut labels_now = Vec::new();
+        for n in &map.nodes {
+            let count = map.owner.iter().filter(|&&o| o == n.index).count();
+            let l = vec![("node".to_owned(), n.node_id.clone())];
+            self.extents_owned
+                .get_or_create(&l)
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+            labels_now.push(l);
+        }
+        if let Ok(mut last) = self.last_owned.lock() {
+            for l in last.iter().filter(|l| !labels_now.contains(l)) {
+                self.extents_owned.remove(l);
+            }
+            *last = labels_now;
+        }
+        for s in [
+            NodeState::Alive,
+            NodeState::Draining,
+            NodeState::Drained,
+            NodeState::Dead,
+            NodeState::Left,
+        ] {
+            let n = members.iter().filter(|(_, st)| *st == s).count();
+            self.nodes
+                .get_or_create(&vec![("state".to_owned(), state_name(s).to_owned())])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    pub(crate) fn rpc_error(&self, method: &str, code: tonic::Code) {
+        self.rpc_errors
+            .get_or_create(&vec![
+                ("method".to_owned(), method.to_owned()),
+                ("code".to_owned(), format!("{code:?}")),
+            ])
+            .inc();
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

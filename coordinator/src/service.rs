@@ -1,0 +1,447 @@
+//! The `pagewire.v1.Coordinator` gRPC service.
+
+use std::collections::{BTreeMap, HashMap};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::net::{self, ClientTls};
+use pagewire_proto::v1::coordinator_server::Coordinator;
+use pagewire_proto::v1::node_client::NodeClient;
+use pagewire_proto::v1::{
+    ByteRange, ClusterRangeRequest, ClusterRangeResponse, DrainRequest, DrainResponse,
+    GetMapRequest, HeartbeatRequest, HeartbeatResponse, LeaveRequest, LeaveResponse,
+    ListNodesRequest, ListNodesResponse, NodeRangeRequest, NodeRangeResult, OwnershipMap, PageRun,
+    RegisterRequest, RegisterResponse, SetPolicyRequest, SetPolicyResponse, StatusRequest,
+    StatusResponse, WatchMapRequest,
+};
+use tokio_stream::{Stream, StreamExt, wrappers::WatchStream};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::metrics::Metrics;
+use crate::state::Cluster;
+
+type Client = NodeClient<InterceptedService<Channel, AttachToken>>;
+
+pub(crate) struct Shared {
+    pub(crate) cluster: Mutex<Cluster>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) token: AttachToken,
+    pub(crate) node_tls: Option<ClientTls>,
+    pub(crate) node_timeout: Duration,
+    clients: Mutex<HashMap<(u32, String), Client>>,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        cluster: Cluster,
+        metrics: Arc<Metrics>,
+        token: AttachToken,
+        node_tls: Option<ClientTls>,
+        node_timeout: Duration,
+    ) -> Self {
+        Self {
+            cluster: Mutex::new(cluster),
+            metrics,
+            token,
+            node_tls,
+            node_timeout,
+            clients: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The cluster, even if a panic poisoned the lock (every method leaves
+    /// the state consistent before anything can panic).
+    pub(crate) fn cluster(&self) -> MutexGuard<'_, Cluster> {
+        self.cluster.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn client(&self, index: u32, address: &str) -> Result<Client, String> {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (index, address.to_owned());
+        if let Some(c) = clients.get(&key) {
+            return Ok(c.clone());
+        }
+        let channel = net::connect_lazy(address, self.node_tls.as_ref(), Duration::from_secs(3))
+            .map_err(|e| e.to_string())?;
+        let c = NodeClient::with_interceptor(channel, self.token.clone())
+            .max_decoding_message_size(64 << 20);
+        clients.retain(|(i, _), _| *i != index);
+        clients.insert(key, c.clone());
+        Ok(c)
+    }
+
+    /// Declares dead the nodes whose lease ran out, every `tick`.
+    pub(crate) async fn lease_loop(self: Arc<Self>, tick: Duration) {
+        let mut interval = tokio::time::interval(tick);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            if let Err(e) = self.cluster().expire_leases(Instant::now()) {
+                tracing::error!(error = %e, "could not publish the map after a lease expired; retrying");
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct CoordinatorService {
+    pub(crate) shared: Arc<Shared>,
+}
+
+#[derive(Clone, Copy)]
+enum RangeOp {
+    Warm,
+    Evict,
+}
+
+/// Splits `range` into runs of pages per owner, with the map they came from.
+fn runs_by_owner(
+    map: &OwnershipMap,
+    range: Option<ByteRange>,
+) -> Result<BTreeMap<u32, Vec<PageRun>>, Status> {
+    let r = range.ok_or_else(|| Status::invalid_argument("range is required"))?;
+    if map.file_size == 0 {
+        return Err(Status::failed_precondition(
+            "the cluster has no file yet: no node has registered",
+        ));
+    }
+    if r.length == 0 {
+        return Err(Status::invalid_argument("range length must be > 0"));
+    }
+    if r.offset >= map.file_size {
+        return Err(Status::invalid_argument(format!(
+            "range offset {} is past the end of the {} byte file",
+            r.offset, map.file_size
+        )));
+    }
+    let end = r.offset.saturating_add(r.length).min(map.file_size);
+    let ps = u64::from(map.page_size);
+    let pages_per_extent = map.extent_size / ps;
+    let (first, last) = (r.offset / ps, end.div_ceil(ps));
+    let mut out: BTreeMap<u32, Vec<PageRun>> = BTreeMap::new();
+    let mut page = first;
+    while page < last {
+        let extent = page / pages_per_extent;
+        let stop = ((extent + 1) * pages_per_extent).min(last);
+        let owner = usize::try_from(extent)
+            .ok()
+            .and_then(|e| map.owner.get(e))
+            .copied()
+            .unwrap_or(0);
+        let runs = out.entry(owner).or_default();
+        match runs.last_mut() {
+            Some(run) if run.first_page + run.page_count == page => run.page_count += stop - page,
+            _ => runs.push(PageRun {
+                first_page: page,
+                page_count: stop - page,
+            }),
+        }
+        page = stop;
+    }
+    Ok(out)
+}
+
+impl CoordinatorService {
+    fn track<T>(&self, method: &str, r: Result<T, Status>) -> Result<Response<T>, Status> {
+        match r {
+            Ok(v) => Ok(Response::new(v)),
+            Err(s) => {
+                self.shared.metrics.rpc_error(method, s.code());
+                tracing::debug!(method, code = ?s.code(), message = s.message(), "call failed");
+                Err(s)
+            }
+        }
+    }
+
+    async fn forward(
+        &self,
+        op: RangeOp,
+        range: Option<ByteRange>,
+    ) -> Result<ClusterRangeResponse, Status> {
+        let map = self.shared.cluster().map();
+        let plan = runs_by_owner(&map, range)?;
+        let mut results = Vec::new();
+        let mut calls = tokio::task::JoinSet::new();
+        for (owner, runs) in plan {
+            let addr = if owner == 0 {
+                None
+            } else {
+                self.shared.cluster().node_address(owner)
+            };
+            let Some((node_id, address)) = addr else {
+                results.push(NodeRangeResult {
+                    node_id: String::new(),
+                    pages: 0,
+                    error: format!(
+                        "{} pages have no owner",
+                        runs.iter().map(|r| r.page_count).sum::<u64>()
+                    ),
+                });
+                continue;
+            };
+            let client = self.shared.client(owner, &address);
+            let (epoch, timeout) = (map.epoch, self.shared.node_timeout);
+            calls.spawn(async move {
+                let mut client = match client {
+                    Ok(c) => c,
+                    Err(e) => {
+                        return NodeRangeResult {
+                            node_id,
+                            pages: 0,
+                            error: e,
+                        };
+                    }
+                };
+                let mut pages = 0;
+                for run in runs {
+                    let mut req = Request::new(NodeRangeRequest {
+                        run: Some(run),
+                        map_epoch: epoch,
+                    });
+                    req.set_timeout(timeout);
+                    let r = match op {
+                        RangeOp::Warm => client.warm(req).await,
+                        RangeOp::Evict => client.evict(req).await,
+                    };
+                    match r {
+                        Ok(resp) => pages += resp.into_inner().pages,
+                        Err(s) => {
+                            return NodeRangeResult {
+                                node_id,
+                                pages,
+                                error: format!("{:?}: {}", s.code(), s.message()),
+                            };
+                        }
+                    }
+                }
+                NodeRangeResult {
+                    node_id,
+                    pages,
+                    error: String::new(),
+                }
+            });
+        }
+        while let Some(r) = calls.join_next().await {
+            match r {
+                Ok(r) => results.push(r),
+                Err(e) => results.push(NodeRangeResult {
+                    node_id: String::new(),
+                    pages: 0,
+                    error: format!("forwarding task failed: {e}"),
+                }),
+            }
+        }
+        results.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        Ok(ClusterRangeResponse {
+            map_epoch: map.epoch,
+            results,
+        })
+    }
+}
+
+type MapStream = Pin<Box<dyn Stream<Item = Result<OwnershipMap, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    async fn register(
+        &self,
+        req: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        let r = self
+            .shared
+            .cluster()
+            .register(req.into_inner())
+            .map_err(Status::from);
+        self.track("Register", r)
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let r = self
+            .shared
+            .cluster()
+            .heartbeat(req.into_inner())
+            .map_err(Status::from);
+        self.track("Heartbeat", r)
+    }
+
+    async fn leave(&self, req: Request<LeaveRequest>) -> Result<Response<LeaveResponse>, Status> {
+        let req = req.into_inner();
+        let r = self
+            .shared
+            .cluster()
+            .leave(&req.node_id, req.incarnation)
+            .map(|map_epoch| LeaveResponse { map_epoch })
+            .map_err(Status::from);
+        self.track("Leave", r)
+    }
+
+    type WatchMapStream = MapStream;
+
+    async fn watch_map(
+        &self,
+        req: Request<WatchMapRequest>,
+    ) -> Result<Response<MapStream>, Status> {
+        let min = req.into_inner().min_epoch;
+        let rx = self.shared.cluster().subscribe();
+        let stream = WatchStream::new(rx)
+            .filter(move |m| m.epoch >= min)
+            .map(|m| Ok((*m).clone()));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_map(
+        &self,
+        _req: Request<GetMapRequest>,
+    ) -> Result<Response<OwnershipMap>, Status> {
+        Ok(Response::new((*self.shared.cluster().map()).clone()))
+    }
+
+    async fn list_nodes(
+        &self,
+        _req: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        Ok(Response::new(ListNodesResponse {
+            nodes: self.shared.cluster().nodes(),
+        }))
+    }
+
+    async fn status(
+        &self,
+        _req: Request<StatusRequest>,
+    ) -> Result<Response<StatusResponse>, Status> {
+        Ok(Response::new(self.shared.cluster().status()))
+    }
+
+    async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        let r = self
+            .shared
+            .cluster()
+            .drain(&req.into_inner().node_id)
+            .map(|(map_epoch, extents_moved)| DrainResponse {
+                map_epoch,
+                extents_moved,
+            })
+            .map_err(Status::from);
+        self.track("Drain", r)
+    }
+
+    async fn undrain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        let r = self
+            .shared
+            .cluster()
+            .undrain(&req.into_inner().node_id)
+            .map(|map_epoch| DrainResponse {
+                map_epoch,
+                extents_moved: 0,
+            })
+            .map_err(Status::from);
+        self.track("Undrain", r)
+    }
+
+    async fn warm(
+        &self,
+        req: Request<ClusterRangeRequest>,
+    ) -> Result<Response<ClusterRangeResponse>, Status> {
+        let r = self.forward(RangeOp::Warm, req.into_inner().range).await;
+        self.track("Warm", r)
+    }
+
+    async fn evict(
+        &self,
+        req: Request<ClusterRangeRequest>,
+    ) -> Result<Response<ClusterRangeResponse>, Status> {
+        let r = self.forward(RangeOp::Evict, req.into_inner().range).await;
+        self.track("Evict", r)
+    }
+
+    async fn set_policy(
+        &self,
+        req: Request<SetPolicyRequest>,
+    ) -> Result<Response<SetPolicyResponse>, Status> {
+        let r = match req.into_inner().policy {
+            None => Err(Status::invalid_argument("policy is required")),
+            Some(p) => self
+                .shared
+                .cluster()
+                .set_policy(p)
+                .map(|policy| SetPolicyResponse {
+                    policy: Some(policy),
+                })
+                .map_err(Status::from),
+        };
+        self.track("SetPolicy", r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_split_by_owner_and_merge() {
+        let map = OwnershipMap {
+            epoch: 3,
+            file_size: 4 * 8192 - 100,
+            extent_size: 8192,
+            page_size: 4096,
+            owner: vec![1, 1, 2, 1],
+            ..Default::default()
+        };
+        let plan = runs_by_owner(
+            &map,
+            Some(ByteRange {
+                offset: 4096,
+                length: u64::MAX,
+            }),
+        )
+        .unwrap();
+        assert_eq!(
+            plan[&1],
+            vec![
+                PageRun {
+                    first_page: 1,
+                    page_count: 3
+                },
+                PageRun {
+                    first_page: 6,
+                    page_count: 2
+                }
+            ]
+        );
+        assert_eq!(
+            plan[&2],
+            vec![PageRun {
+                first_page: 4,
+                page_count: 2
+            }]
+        );
+        assert!(runs_by_owner(&map, None).is_err());
+        assert!(
+            runs_by_owner(
+                &map,
+                Some(ByteRange {
+                    offset: 1 << 40,
+                    length: 1
+                })
+            )
+            .is_err()
+        );
+        assert!(
+            runs_by_owner(
+                &map,
+                Some(ByteRange {
+                    offset: 0,
+                    length: 0
+                })
+            )
+            .is_err()
+        );
+    }
+}

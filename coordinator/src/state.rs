@@ -1,0 +1,841 @@
+//! The cluster state machine: members, leases and the ownership map.
+//!
+//! All of it lives behind one mutex in [`crate::service`]; every method here
+//! is short and synchronous. Every map change bumps the epoch, is written to
+//! the state file, and only then published to watchers, so a published epoch
+//! always survives a restart.
+//!
+//! ## Moving extents without a gap
+//!
+//! When an extent moves from a live node A to a node B (B joins, A drains, A
+//! leaves through a rebalance), the new map names B as `owner` and A as
+//! `previous_owner`. B takes the extent as soon as it applies the map (it
+//! can serve any page of it at once by faulting it in from the backing file);
+//! A keeps serving it, so a reader with the older map is still answered. Once
+//! every new owner reports (in its heartbeat) that it applied the epoch, the
+//! coordinator publishes the next epoch with the handoff cleared and only then
+//! does A drop the extent. An extent whose owner died moves with no handoff:
+//! until its new owner applies the map, readers retry and fall back to reading
+//! the backing file themselves (the source of truth), as for any failed owner.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pagewire_proto::v1::{
+    HeartbeatRequest, HeartbeatResponse, MapNode, NodeInfo, NodeState, OwnershipMap, Policy,
+    RegisterRequest, RegisterResponse, StatusResponse,
+};
+use tokio::sync::watch;
+
+use crate::error::{CoordError, state_name};
+use crate::metrics::Metrics;
+use crate::persist::{self, PersistedState};
+use crate::rendezvous::{self, Candidate};
+
+/// Fixed parameters of a cluster.
+#[derive(Debug, Clone)]
+pub(crate) struct Params {
+    pub(crate) cluster_name: String,
+    pub(crate) extent_size: u64,
+    pub(crate) page_size: u32,
+    pub(crate) lease: Duration,
+    pub(crate) heartbeat_interval: Duration,
+    pub(crate) state_file: PathBuf,
+}
+
+struct Member {
+    /// Persistent fields plus the runtime ones (`applied_epoch`, `stats`).
+    info: NodeInfo,
+    /// When the lease runs out (only for states holding a lease).
+    lease_deadline: Option<Instant>,
+}
+
+pub(crate) struct Cluster {
+    params: Params,
+    file_size: u64,
+    /// By node id; the BTreeMap keeps listings sorted.
+    members: BTreeMap<String, Member>,
+    next_index: u32,
+    next_incarnation: u64,
+    epoch: u64,
+    owner: Vec<u32>,
+    previous: Vec<u32>,
+    policy: Policy,
+    map_tx: watch::Sender<Arc<OwnershipMap>>,
+    metrics: Arc<Metrics>,
+    started: Instant,
+}
+
+/// Only these states hold a lease (and may serve extents).
+fn holds_lease(s: NodeState) -> bool {
+    matches!(
+        s,
+        NodeState::Alive | NodeState::Draining | NodeState::Drained
+    )
+}
+
+fn validate_node_id(id: &str) -> Result<(), CoordError> {
+    if id.is_empty() || id.len() > 128 {
+        return Err(CoordError::InvalidArgument(
+            "node_id must be 1 to 128 bytes".into(),
+        ));
+    }
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err(CoordError::InvalidArgument(format!(
+            "node_id {id:?} may only hold letters, digits, '.', '_' and '-'"
+        )));
+    }
+    Ok(())
+}
+
+fn validate_address(field: &str, addr: &str, required: bool) -> Result<(), CoordError> {
+    if addr.is_empty() {
+        return if required {
+            Err(CoordError::InvalidArgument(format!("{field} is required")))
+        } else {
+            Ok(())
+        };
+    }
+    let ok = addr.len() <= 256
+        && addr.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(CoordError::InvalidArgument(format!(
+            "{field} {addr:?} is not host:port"
+        )))
+    }
+}
+
+impl Cluster {
+    /// Loads the state file (or starts empty) and checks it against `params`.
+    pub(crate) fn open(
+        params: Params,
+        config_file_size: u64,
+        config_policy: Policy,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, crate::StartError> {
+        let loaded = persist::load(&params.state_file)?;
+        let (map_tx, _) = watch::channel(Arc::new(OwnershipMap::default()));
+        let mut c = Cluster {
+            file_size: config_file_size,
+            members: BTreeMap::new(),
+            next_index: 1,
+            next_incarnation: 1,
+            epoch: 0,
+            owner: Vec::new(),
+            previous: Vec::new(),
+            policy: config_policy,
+            map_tx,
+            metrics,
+            started: Instant::now(),
+            params,
+        };
+        if let Some(st) = loaded {
+            let map = st.map.unwrap_or_default();
+            if map.extent_size != c.params.extent_size || map.page_size != c.params.page_size {
+                return Err(crate::StartError::StateMismatch(format!(
+                    "state file {} was written with extent_size {} and page_size {}, the config \
+                     says {} and {}; keep the old values or start with a new state file",
+                    c.params.state_file.display(),
+                    map.extent_size,
+                    map.page_size,
+                    c.params.extent_size,
+                    c.params.page_size
+                )));
+            }
+            if config_file_size != 0 && map.file_size != 0 && map.file_size != config_file_size {
+                return Err(crate::StartError::StateMismatch(format!(
+                    "state file {} is for a {} byte file, the config says {}",
+                    c.params.state_file.display(),
+                    map.file_size,
+                    config_file_size
+                )));
+            }
+            c.file_size = map.file_size.max(config_file_size);
+            c.epoch = map.epoch;
+            c.owner = map.owner;
+            c.previous = map.previous_owner;
+            if let Some(p) = st.policy {
+                c.policy = p;
+            }
+            c.next_index = st.next_index.max(1);
+            c.next_incarnation = st.next_incarnation.max(1);
+            let now = Instant::now();
+            for info in st.members {
+                // Every member that held a lease gets a fresh one: it had no
+                // chance to heartbeat while the coordinator was down.
+                let lease_deadline = holds_lease(info.state()).then(|| now + c.params.lease);
+                c.members.insert(
+                    info.node_id.clone(),
+                    Member {
+                        info,
+                        lease_deadline,
+                    },
+                );
+            }
+            tracing::info!(
+                epoch = c.epoch,
+                members = c.members.len(),
+                path = %c.params.state_file.display(),
+                "state restored"
+            );
+        }
+        c.publish_current();
+        Ok(c)
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<OwnershipMap>> {
+        self.map_tx.subscribe()
+    }
+
+    pub(crate) fn map(&self) -> Arc<OwnershipMap> {
+        self.map_tx.borrow().clone()
+    }
+
+    fn extent_count(&self) -> u64 {
+        self.file_size.div_ceil(self.params.extent_size)
+    }
+
+    fn map_nodes(&self) -> Vec<MapNode> {
+        let mut nodes: Vec<MapNode> = self
+            .members
+            .values()
+            .map(|m| MapNode {
+                index: m.info.index,
+                node_id: m.info.node_id.clone(),
+                grpc_address: m.info.grpc_address.clone(),
+                transports: m.info.transports.clone(),
+                state: m.info.state,
+            })
+            .collect();
+        nodes.sort_by_key(|n| n.index);
+        nodes
+    }
+
+    fn build_map(&self) -> OwnershipMap {
+        OwnershipMap {
+            epoch: self.epoch,
+            file_size: self.file_size,
+            extent_size: self.params.extent_size,
+            page_size: self.params.page_size,
+            nodes: self.map_nodes(),
+            owner: self.owner.clone(),
+            previous_owner: self.previous.clone(),
+        }
+    }
+
+    fn persisted(&self) -> PersistedState {
+        PersistedState {
+            cluster_name: self.params.cluster_name.clone(),
+            members: self
+                .members
+                .values()
+                .map(|m| NodeInfo {
+                    node_id: m.info.node_id.clone(),
+                    index: m.info.index,
+                    grpc_address: m.info.grpc_address.clone(),
+                    metrics_address: m.info.metrics_address.clone(),
+                    capacity_bytes: m.info.capacity_bytes,
+                    topology: m.info.topology.clone(),
+                    transports: m.info.transports.clone(),
+                    state: m.info.state,
+                    incarnation: m.info.incarnation,
+                    ..Default::default()
+                })
+                .collect(),
+            map: Some(self.build_map()),
+            policy: Some(self.policy),
+            next_index: self.next_index,
+            next_incarnation: self.next_incarnation,
+        }
+    }
+
+    fn save(&self) -> Result<(), CoordError> {
+        persist::save(&self.params.state_file, &self.persisted())?;
+        Ok(())
+    }
+
+    fn publish_current(&mut self) {
+        let map = Arc::new(self.build_map());
+        self.metrics.observe_map(&map, &self.members_for_metrics());
+        self.map_tx.send_replace(map);
+    }
+
+    fn members_for_metrics(&self) -> Vec<(String, NodeState)> {
+        self.members
+            .values()
+            .map(|m| (m.info.node_id.clone(), m.info.state()))
+            .collect()
+    }
+
+    /// Recomputes owners from the members' states; when the map changes,
+    /// bumps the epoch, saves and publishes. Returns whether it changed.
+    fn rebalance(&mut self, reason: &str) -> Result<bool, CoordError> {
+        let candidates: Vec<Candidate<'_>> = self
+            .members
+            .values()
+            .filter(|m| m.info.state() == NodeState::Alive)
+            .map(|m| Candidate {
+                index: m.info.index,
+                node_id: &m.info.node_id,
+                weight: m.info.capacity_bytes,
+            })
+            .collect();
+        let new_owner = rendezvous::assign(self.extent_count(), &candidates);
+        let serving: HashSet<u32> = self
+            .members
+            .values()
+            .filter(|m| holds_lease(m.info.state()))
+            .map(|m| m.info.index)
+            .collect();
+        let mut new_prev = vec![0u32; new_owner.len()];
+        let mut any_prev = false;
+        for (i, &new) in new_owner.iter().enumerate() {
+            let cur = self.owner.get(i).copied().unwrap_or(0);
+            let prev = self.previous.get(i).copied().unwrap_or(0);
+            // The node certainly serving this extent now: the one handing it
+            // off, else its owner.
+            let server = if prev != 0 && serving.contains(&prev) {
+                prev
+            } else if cur != 0 && serving.contains(&cur) {
+                cur
+            } else {
+                0
+            };
+            if server != 0 && server != new {
+                new_prev[i] = server;
+                any_prev = true;
+            }
+        }
+        if !any_prev {
+            new_prev.clear();
+        }
+        self.commit(new_owner, new_prev, reason)
+    }
+
+    /// Installs owners and handoffs; bumps the epoch if anything changed.
+    fn commit(
+        &mut self,
+        owner: Vec<u32>,
+        previous: Vec<u32>,
+        reason: &str,
+    ) -> Result<bool, CoordError> {
+        let nodes = self.map_nodes();
+        let current = self.map();
+        if owner == self.owner
+            && previous == self.previous
+            && nodes == current.nodes
+            && self.epoch != 0
+        {
+            return Ok(false);
+        }
+        let moved = owner
+            .iter()
+            .zip(self.owner.iter().chain(std::iter::repeat(&0)))
+            .filter(|(a, b)| a != b)
+            .count();
+        let old = (
+            std::mem::replace(&mut self.owner, owner),
+            std::mem::replace(&mut self.previous, previous),
+        );
+        self.epoch += 1;
+        self.settle_drains();
+        if let Err(e) = self.save() {
+            // Roll back: an epoch that is not on disk must not be published.
+            self.epoch -= 1;
+            (self.owner, self.previous) = old;
+            return Err(e);
+        }
+        tracing::info!(
+            epoch = self.epoch,
+            reason,
+            moved,
+            handoffs = self.previous.iter().filter(|&&p| p != 0).count(),
+            "new ownership map"
+        );
+        self.metrics.map_changes.inc();
+        self.publish_current();
+        Ok(true)
+    }
+
+    /// Draining nodes that own and hand off nothing are drained.
+    fn settle_drains(&mut self) {
+        let busy: HashSet<u32> = self
+            .owner
+            .iter()
+            .chain(self.previous.iter())
+            .copied()
+            .collect();
+        for m in self.members.values_mut() {
+            if m.info.state() == NodeState::Draining && !busy.contains(&m.info.index) {
+                m.info.set_state(NodeState::Drained);
+                tracing::info!(node = %m.info.node_id, "node drained");
+            }
+        }
+    }
+
+    /// Clears the handoff once every new owner in it applied this epoch.
+    fn maybe_finish_handoff(&mut self) -> Result<(), CoordError> {
+        if self.previous.is_empty() {
+            return Ok(());
+        }
+        let waiting: HashSet<u32> = self
+            .owner
+            .iter()
+            .zip(&self.previous)
+            .filter(|(_, p)| **p != 0)
+            .map(|(o, _)| *o)
+            .collect();
+        let ready = waiting.iter().all(|idx| {
+            self.members
+                .values()
+                .any(|m| m.info.index == *idx && m.info.applied_epoch >= self.epoch)
+        });
+        if ready {
+            let owner = self.owner.clone();
+            self.commit(owner, Vec::new(), "handoff complete")?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn register(
+        &mut self,
+        req: RegisterRequest,
+    ) -> Result<RegisterResponse, CoordError> {
+        validate_node_id(&req.node_id)?;
+        validate_address("grpc_address", &req.grpc_address, true)?;
+        validate_address("metrics_address", &req.metrics_address, false)?;
+        if req.capacity_bytes == 0 {
+            return Err(CoordError::InvalidArgument(
+                "capacity_bytes must be > 0".into(),
+            ));
+        }
+        if req.page_size != self.params.page_size {
+            return Err(CoordError::PageSizeMismatch {
+                cluster: self.params.page_size,
+                node: req.page_size,
+            });
+        }
+        if req.file_size == 0 {
+            return Err(CoordError::InvalidArgument(
+                "file_size must be > 0 (the node's backing file is empty?)".into(),
+            ));
+        }
+        if req.transports.len() > 64 {
+            return Err(CoordError::InvalidArgument(
+                "at most 64 transport descriptors".into(),
+            ));
+        }
+        if req
+            .topology
+            .as_ref()
+            .is_some_and(|t| t.numa_nodes.len() > 4096)
+        {
+            return Err(CoordError::InvalidArgument(
+                "at most 4096 NUMA nodes".into(),
+            ));
+        }
+        if self.file_size == 0 {
+            if req.file_size.div_ceil(self.params.extent_size) > 1 << 24 {
+                return Err(CoordError::InvalidArgument(
+                    "file too large for the extent size: more than 16 Mi extents".into(),
+                ));
+            }
+            tracing::info!(file_size = req.file_size, node = %req.node_id, "cluster file size set by first node");
+            self.file_size = req.file_size;
+        } else if req.file_size != self.file_size {
+            return Err(CoordError::FileSizeMismatch {
+                cluster: self.file_size,
+                node: req.file_size,
+            });
+        }
+
+        let incarnation = self.next_incarnation;
+        self.next_incarnation += 1;
+        let now = Instant::now();
+        let lease = self.params.lease;
+        let next_index = &mut self.next_index;
+        let m = self.members.entry(req.node_id.clone()).or_insert_with(|| {
+            let index = *next_index;
+            *next_index += 1;
+            Member {
+                info: NodeInfo {
+                    node_id: req.node_id.clone(),
+                    index,
+                    ..Default::default()
+                },
+                lease_deadline: None,
+            }
+        });
+        // A restarted node keeps an operator's drain.
+        let state = match m.info.state() {
+            s @ (NodeState::Draining | NodeState::Drained) => s,
+            _ => NodeState::Alive,
+        };
+        m.info.grpc_address = req.grpc_address;
+        m.info.metrics_address = req.metrics_address;
+        m.info.capacity_bytes = req.capacity_bytes;
+        m.info.topology = req.topology;
+        m.info.transports = req.transports;
+        m.info.set_state(state);
+        m.info.incarnation = incarnation;
+        m.info.applied_epoch = 0;
+        m.lease_deadline = Some(now + lease);
+        let index = m.info.index;
+        tracing::info!(node = %req.node_id, index, incarnation, "node registered");
+        self.metrics.registrations.inc();
+        if !self.rebalance("node registered")? {
+            // Even with the same map, the registration must be durable.
+            self.save()?;
+        }
+        Ok(RegisterResponse {
+            node_index: index,
+            incarnation,
+            lease_ms: self.lease_ms(),
+            heartbeat_interval_ms: self.heartbeat_interval_ms(),
+            map: Some((*self.map()).clone()),
+            policy: Some(self.policy),
+        })
+    }
+
+    fn lease_ms(&self) -> u64 {
+        u64::try_from(self.params.lease.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn heartbeat_interval_ms(&self) -> u64 {
+        u64::try_from(self.params.heartbeat_interval.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn member_checked(
+        &mut self,
+        node_id: &str,
+        incarnation: u64,
+    ) -> Result<&mut Member, CoordError> {
+        let m = self
+            .members
+            .get_mut(node_id)
+            .ok_or_else(|| CoordError::UnknownNode(node_id.to_owned()))?;
+        if m.info.incarnation != incarnation {
+            return Err(CoordError::StaleIncarnation {
+                node_id: node_id.to_owned(),
+            });
+        }
+        if !holds_lease(m.info.state()) {
+            return Err(CoordError::NotAlive {
+                node_id: node_id.to_owned(),
+                state: state_name(m.info.state()),
+            });
+        }
+        Ok(m)
+    }
+
+    pub(crate) fn heartbeat(
+        &mut self,
+        req: HeartbeatRequest,
+    ) -> Result<HeartbeatResponse, CoordError> {
+        let lease = self.params.lease;
+        let epoch = self.epoch;
+        let m = self.member_checked(&req.node_id, req.incarnation)?;
+        m.lease_deadline = Some(Instant::now() + lease);
+        m.info.applied_epoch = req.applied_epoch.min(epoch);
+        if let Some(stats) = req.stats {
+            m.info.stats = Some(stats);
+        }
+        self.metrics.heartbeats.inc();
+        self.maybe_finish_handoff()?;
+        Ok(HeartbeatResponse {
+            lease_ms: self.lease_ms(),
+            map_epoch: self.epoch,
+            policy: Some(self.policy),
+        })
+    }
+
+    pub(crate) fn leave(&mut self, node_id: &str, incarnation: u64) -> Result<u64, CoordError> {
+        let m = self.member_checked(node_id, incarnation)?;
+        m.info.set_state(NodeState::Left);
+        m.lease_deadline = None;
+        tracing::info!(node = %node_id, "node left");
+        self.rebalance("node left")?;
+        Ok(self.epoch)
+    }
+
+    /// Declares dead every node whose lease ran out; returns their ids.
+    pub(crate) fn expire_leases(&mut self, now: Instant) -> Result<Vec<String>, CoordError> {
+        let mut dead = Vec::new();
+        for m in self.members.values_mut() {
+            if m.lease_deadline.is_some_and(|d| d <= now) {
+                m.lease_deadline = None;
+                m.info.set_state(NodeState::Dead);
+                m.info.applied_epoch = 0;
+                dead.push(m.info.node_id.clone());
+            }
+        }
+        if !dead.is_empty() {
+            for id in &dead {
+                tracing::warn!(node = %id, lease_ms = self.lease_ms(), "node missed its lease: declared dead");
+                self.metrics.deaths.inc();
+            }
+            self.rebalance("lease expired")?;
+        }
+        Ok(dead)
+    }
+
+    /// Starts moving every extent off `node_id`. Returns the new epoch and
+    /// how many extents the node owned.
+    pub(crate) fn drain(&mut self, node_id: &str) -> Result<(u64, u64), CoordError> {
+        let m = self
+            .members
+            .get_mut(node_id)
+            .ok_or_else(|| CoordError::UnknownNode(node_id.to_owned()))?;
+        let index = m.info.index;
+        match m.info.state() {
+            NodeState::Alive => m.info.set_state(NodeState::Draining),
+            NodeState::Draining | NodeState::Drained => {}
+            s => {
+                return Err(CoordError::NotAlive {
+                    node_id: node_id.to_owned(),
+                    state: state_name(s),
+                });
+            }
+        }
+        let owned = self.owner.iter().filter(|&&o| o == index).count() as u64;
+        tracing::info!(node = %node_id, extents = owned, "draining node");
+        if !self.rebalance("drain")? {
+            self.settle_drains();
+            self.save()?;
+        }
+        Ok((self.epoch, owned))
+    }
+
+    pub(crate) fn undrain(&mut self, node_id: &str) -> Result<u64, CoordError> {
+        let m = self
+            .members
+            .get_mut(node_id)
+            .ok_or_else(|| CoordError::UnknownNode(node_id.to_owned()))?;
+        match m.info.state() {
+            NodeState::Draining | NodeState::Drained => m.info.set_state(NodeState::Alive),
+            NodeState::Alive => {}
+            s => {
+                return Err(CoordError::NotAlive {
+                    node_id: node_id.to_owned(),
+                    state: state_name(s),
+                });
+            }
+        }
+        if !self.rebalance("undrain")? {
+            self.save()?;
+        }
+        Ok(self.epoch)
+    }
+
+    pub(crate) fn set_policy(&mut self, mut p: Policy) -> Result<Policy, CoordError> {
+        crate::config::validate_policy(&p).map_err(CoordError::InvalidArgument)?;
+        p.version = self.policy.version + 1;
+        let old = std::mem::replace(&mut self.policy, p);
+        if let Err(e) = self.save() {
+            self.policy = old;
+            return Err(e);
+        }
+        tracing::info!(version = p.version, "policy changed");
+        Ok(p)
+    }
+
+    pub(crate) fn nodes(&self) -> Vec<NodeInfo> {
+        let now = Instant::now();
+        let mut counts: BTreeMap<u32, u64> = BTreeMap::new();
+        for &o in &self.owner {
+            *counts.entry(o).or_default() += 1;
+        }
+        let mut out: Vec<NodeInfo> = self
+            .members
+            .values()
+            .map(|m| {
+                let mut info = m.info.clone();
+                info.lease_remaining_ms = m
+                    .lease_deadline
+                    .map(|d| {
+                        u64::try_from(d.saturating_duration_since(now).as_millis()).unwrap_or(0)
+                    })
+                    .unwrap_or(0);
+                info.extents_owned = counts.get(&info.index).copied().unwrap_or(0);
+                info
+            })
+            .collect();
+        out.sort_by_key(|n| n.index);
+        out
+    }
+
+    pub(crate) fn status(&self) -> StatusResponse {
+        let alive = self
+            .members
+            .values()
+            .filter(|m| holds_lease(m.info.state()))
+            .count();
+        StatusResponse {
+            cluster_name: self.params.cluster_name.clone(),
+            epoch: self.epoch,
+            file_size: self.file_size,
+            extent_size: self.params.extent_size,
+            page_size: self.params.page_size,
+            extent_count: self.extent_count(),
+            nodes_alive: u32::try_from(alive).unwrap_or(u32::MAX),
+            nodes_total: u32::try_from(self.members.len()).unwrap_or(u32::MAX),
+            extents_unowned: self
+                .extent_count()
+                .saturating_sub(self.owner.iter().filter(|&&o| o != 0).count() as u64),
+            extents_in_handoff: self.previous.iter().filter(|&&p| p != 0).count() as u64,
+            lease_ms: self.lease_ms(),
+            policy: Some(self.policy),
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+
+    /// Node index → (node id, gRPC address), for forwarding calls.
+    pub(crate) fn node_address(&self, index: u32) -> Option<(String, String)> {
+        self.members
+            .values()
+            .find(|m| m.info.index == index)
+            .map(|m| (m.info.node_id.clone(), m.info.grpc_address.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pagewire_proto::v1::RegisterRequest;
+
+    fn params(dir: &std::path::Path) -> Params {
+        Params {
+            cluster_name: "t".into(),
+            extent_size: 1 << 16,
+            page_size: 4096,
+            lease: Duration::from_millis(500),
+            heartbeat_interval: Duration::from_millis(100),
+            state_file: dir.join("state"),
+        }
+    }
+
+    fn reg(id: &str) -> RegisterRequest {
+        RegisterRequest {
+            node_id: id.into(),
+            grpc_address: "127.0.0.1:9".into(),
+            capacity_bytes: 1 << 30,
+            file_size: 4096 << 16,
+            page_size: 4096,
+            ..Default::default()
+        }
+    }
+
+    fn open(dir: &std::path::Path) -> Cluster {
+        Cluster::open(
+            params(dir),
+            0,
+            crate::config::Config::default().policy().unwrap(),
+            Arc::new(Metrics::new()),
+        )
+        .unwrap()
+    }
+
+    fn count(c: &Cluster, index: u32) -> usize {
+        c.owner.iter().filter(|&&o| o == index).count()
+    }
+
+    #[test]
+    fn join_hands_off_then_commits_and_restart_restores() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let a = c.register(reg("a")).unwrap();
+        assert_eq!(count(&c, a.node_index), 4096);
+        assert!(c.previous.is_empty(), "nothing to hand off from nobody");
+        let b = c.register(reg("b")).unwrap();
+        let e = c.epoch;
+        assert!(c.previous.contains(&a.node_index));
+        // b has not applied yet: the handoff stays.
+        c.heartbeat(HeartbeatRequest {
+            node_id: "a".into(),
+            incarnation: a.incarnation,
+            applied_epoch: e,
+            stats: None,
+        })
+        .unwrap();
+        assert_eq!(c.epoch, e);
+        c.heartbeat(HeartbeatRequest {
+            node_id: "b".into(),
+            incarnation: b.incarnation,
+            applied_epoch: e,
+            stats: None,
+        })
+        .unwrap();
+        assert_eq!(c.epoch, e + 1);
+        assert!(c.previous.is_empty());
+        let (owner, epoch) = (c.owner.clone(), c.epoch);
+        drop(c);
+        let c = open(dir.path());
+        assert_eq!((c.owner.clone(), c.epoch), (owner, epoch));
+        assert_eq!(c.members.len(), 2);
+    }
+
+    #[test]
+    fn expiry_moves_extents_and_drain_empties_a_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let a = c.register(reg("a")).unwrap();
+        let b = c.register(reg("b")).unwrap();
+        c.register(reg("c")).unwrap();
+        // Only a's lease is renewed far in the future by expiring at "now + 1s".
+        let later = Instant::now() + Duration::from_secs(1);
+        c.members.get_mut("a").unwrap().lease_deadline = Some(later + Duration::from_secs(10));
+        c.members.get_mut("c").unwrap().lease_deadline = Some(later + Duration::from_secs(10));
+        let dead = c.expire_leases(later).unwrap();
+        assert_eq!(dead, vec!["b".to_owned()]);
+        assert_eq!(count(&c, b.node_index), 0);
+        assert!(!c.previous.contains(&b.node_index));
+        let (_, owned) = c.drain("a").unwrap();
+        assert!(owned > 0);
+        assert_eq!(count(&c, a.node_index), 0);
+        assert!(matches!(
+            c.heartbeat(HeartbeatRequest {
+                node_id: "b".into(),
+                incarnation: b.incarnation,
+                ..Default::default()
+            }),
+            Err(CoordError::NotAlive { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_registrations_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let mut r = reg("bad id");
+        assert!(matches!(
+            c.register(r.clone()),
+            Err(CoordError::InvalidArgument(_))
+        ));
+        r = reg("x");
+        r.grpc_address = "nowhere".into();
+        assert!(matches!(c.register(r), Err(CoordError::InvalidArgument(_))));
+        r = reg("x");
+        r.page_size = 512;
+        assert!(matches!(
+            c.register(r),
+            Err(CoordError::PageSizeMismatch { .. })
+        ));
+        c.register(reg("x")).unwrap();
+        r = reg("y");
+        r.file_size = 5;
+        assert!(matches!(
+            c.register(r),
+            Err(CoordError::FileSizeMismatch { .. })
+        ));
+    }
+}

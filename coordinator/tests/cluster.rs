@@ -1,0 +1,704 @@
+//! End-to-end tests with real processes on loopback: the coordinator, three
+//! or four `pagewire-node` daemons over a sparse backing file, and `pwctl`.
+//!
+//! `pagewire-node` is another package's binary: `cargo test --workspace`
+//! (and nextest) builds it; with `-p pagewire-coordinator` alone, build it
+//! first with `cargo build -p pagewire-node`.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::v1::node_client::NodeClient;
+use pagewire_proto::v1::{
+    ClusterRangeRequest, FaultInRequest, GetMapRequest, OwnershipMap, PageRun, ReadRequest,
+    RegisterRequest, StatusRequest, WriteRequest,
+};
+use serde_json::Value;
+
+const TOKEN: &str = "test-cluster-token";
+/// Lease for the tests that do not time failure detection: long enough that
+/// a node starved of CPU on a busy machine is not declared dead under them.
+const RELAXED_LEASE_MS: u64 = 3000;
+const PAGE: u64 = 4096;
+const EXTENT: u64 = 64 << 10;
+/// 4096 extents of 64 KiB.
+const FILE: u64 = 256 << 20;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+fn coordinator_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-coordinator"))
+}
+
+fn pwctl_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_pwctl"))
+}
+
+fn node_bin() -> PathBuf {
+    let p = coordinator_bin()
+        .parent()
+        .expect("binary dir")
+        .join("pagewire-node");
+    assert!(
+        p.exists(),
+        "{} is not built: run `cargo build -p pagewire-node` (cargo test --workspace builds it)",
+        p.display()
+    );
+    p
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn kill9(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    lease_ms: u64,
+    port: u16,
+    coord: Option<Proc>,
+    nodes: Vec<Proc>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        for p in self.coord.iter_mut().chain(self.nodes.iter_mut()) {
+            p.kill9();
+            if panicking {
+                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                eprintln!("--- last lines of {} ---", p.name);
+                for l in tail.iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+impl Cluster {
+    fn new(lease_ms: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
+        let f = std::fs::File::create(dir.path().join("data.bin")).expect("backing file");
+        f.set_len(FILE).expect("sparse file");
+        let mut c = Cluster {
+            dir,
+            lease_ms,
+            port: free_port(),
+            coord: None,
+            nodes: Vec::new(),
+        };
+        c.start_coordinator();
+        c
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn start_coordinator(&mut self) {
+        let log = self.path("coordinator.log");
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log");
+        let child = Command::new(coordinator_bin())
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .arg("--state-file")
+            .arg(self.path("coordinator.state"))
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .arg("--lease-ms")
+            .arg(self.lease_ms.to_string())
+            .arg("--extent-size")
+            .arg(EXTENT.to_string())
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .expect("spawn coordinator");
+        self.coord = Some(Proc {
+            name: "coordinator".into(),
+            child,
+            log,
+        });
+        self.wait_for("the coordinator to answer", |c| {
+            c.try_pwctl(&["status"]).is_some()
+        });
+    }
+
+    fn start_node(&mut self, id: &str, frames: u64) {
+        let log = self.path(&format!("{id}.log"));
+        let child = Command::new(node_bin())
+            .args(["--node-id", id])
+            .arg("--backing-file")
+            .arg(self.path("data.bin"))
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .arg("--coordinator")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .arg("--frames")
+            .arg(frames.to_string())
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn node");
+        self.nodes.push(Proc {
+            name: id.into(),
+            child,
+            log,
+        });
+    }
+
+    fn node(&mut self, id: &str) -> &mut Proc {
+        self.nodes.iter_mut().find(|p| p.name == id).expect("node")
+    }
+
+    fn pwctl(&self, args: &[&str]) -> Output {
+        Command::new(pwctl_bin())
+            .arg("--coordinator")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .args(args)
+            .output()
+            .expect("run pwctl")
+    }
+
+    /// `pwctl --json ARGS` parsed, or None when it failed.
+    fn try_pwctl(&self, args: &[&str]) -> Option<Value> {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        let out = self.pwctl(&a);
+        if !out.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        self.try_pwctl(args)
+            .unwrap_or_else(|| panic!("pwctl {args:?} failed: {:?}", self.pwctl(args)))
+    }
+
+    fn wait_for(&self, what: &str, mut ok: impl FnMut(&Self) -> bool) -> Duration {
+        let start = Instant::now();
+        let limit = Duration::from_secs(30);
+        while start.elapsed() < limit {
+            if ok(self) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out after {limit:?} waiting for {what}");
+    }
+
+    /// Waits until `n` nodes are alive, own extents, have applied the
+    /// current epoch, and no handoff is in progress.
+    fn wait_stable(&self, n: usize) {
+        self.wait_for(&format!("{n} settled nodes"), |c| {
+            let Some(map) = c.try_pwctl(&["map"]) else {
+                return false;
+            };
+            let Some(nodes) = c.try_pwctl(&["nodes"]) else {
+                return false;
+            };
+            // Epoch 0 is the empty map before any registration: freshly
+            // registered nodes report it too.
+            let epoch = map["epoch"].as_u64().unwrap_or(0);
+            if epoch == 0 {
+                return false;
+            }
+            let alive: Vec<&Value> = nodes
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|x| x["state"] == "alive")
+                .collect();
+            alive.len() == n
+                && map["in_handoff"] == 0
+                && map["unowned"] == 0
+                && alive
+                    .iter()
+                    .all(|x| x["applied_epoch"].as_u64() == Some(epoch))
+                // Nothing changed between the two snapshots.
+                && c.try_pwctl(&["status"])
+                    .is_some_and(|s| s["epoch"].as_u64() == Some(epoch))
+        });
+    }
+
+    fn grpc_map(&self) -> OwnershipMap {
+        let port = self.port;
+        rt().block_on(async move {
+            let mut c = coord_client(port, Some(TOKEN)).await;
+            c.get_map(GetMapRequest {})
+                .await
+                .expect("get_map")
+                .into_inner()
+        })
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Adds the token, or nothing (to test refusals).
+type TokenFn =
+    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
+type Intercepted =
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, TokenFn>;
+
+fn interceptor(token: Option<&str>) -> TokenFn {
+    match token {
+        Some(t) => {
+            let mut a = AttachToken::new(t).expect("token");
+            Box::new(move |r| tonic::service::Interceptor::call(&mut a, r))
+        }
+        None => Box::new(Ok),
+    }
+}
+
+async fn coord_client(port: u16, token: Option<&str>) -> CoordinatorClient<Intercepted> {
+    let ch =
+        pagewire_proto::net::connect(&format!("127.0.0.1:{port}"), None, Duration::from_secs(5))
+            .await
+            .expect("connect coordinator");
+    CoordinatorClient::with_interceptor(ch, interceptor(token))
+}
+
+fn owned_by(map: &Value, id: &str) -> u64 {
+    map["nodes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|n| n["node_id"] == id))
+        .and_then(|n| n["extents"].as_u64())
+        .unwrap_or(0)
+}
+
+#[test]
+fn three_nodes_balance_by_capacity_and_drain_empties_a_node() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    // Capacities 1:2:3 (frames of 4 KiB).
+    c.start_node("node-a", 1024);
+    c.start_node("node-b", 2048);
+    c.start_node("node-c", 3072);
+    c.wait_stable(3);
+    let map = c.json(&["map"]);
+    assert_eq!(map["extents"], FILE / EXTENT);
+    for n in map["nodes"].as_array().expect("nodes") {
+        let dev = n["deviation_percent"].as_f64().expect("deviation");
+        assert!(
+            dev.abs() <= 10.0,
+            "{} deviates {dev:.1}% from its capacity weight: {map}",
+            n["node_id"]
+        );
+    }
+
+    let out = c.pwctl(&["drain", "node-b", "--wait", "20"]);
+    assert!(out.status.success(), "drain failed: {out:?}");
+    c.wait_for("node-b drained with no extents nor handoffs", |c| {
+        let map = c.grpc_map();
+        let nodes = c.json(&["nodes"]);
+        let b = nodes
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["node_id"] == "node-b"))
+            .cloned()
+            .unwrap_or_default();
+        let idx = b["index"].as_u64().unwrap_or(0) as u32;
+        b["state"] == "drained" && !map.owner.contains(&idx) && !map.previous_owner.contains(&idx)
+    });
+    // And the node itself applied it: it reports owning nothing.
+    c.wait_for("node-b to report no extents", |c| {
+        let stats = c.json(&["stats"]);
+        stats
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["node_id"] == "node-b"))
+            .is_some_and(|n| n["source"] == "node" && n["extents_owned"] == 0)
+    });
+    let map = c.json(&["map"]);
+    assert_eq!(owned_by(&map, "node-b"), 0);
+    assert_eq!(
+        owned_by(&map, "node-a") + owned_by(&map, "node-c"),
+        FILE / EXTENT
+    );
+}
+
+#[test]
+fn kill9_of_a_node_moves_its_extents_within_the_lease() {
+    let lease_ms = 1000;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["n1", "n2", "n3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let before = c.json(&["map"]);
+    let victim = owned_by(&before, "n2");
+    assert!(victim > 0);
+    let killed = Instant::now();
+    c.node("n2").kill9();
+    c.wait_for("n2's extents to move", |c| {
+        c.try_pwctl(&["map"]).is_some_and(|m| {
+            owned_by(&m, "n2") == 0 && owned_by(&m, "n1") + owned_by(&m, "n3") == FILE / EXTENT
+        })
+    });
+    let took = killed.elapsed();
+    eprintln!(
+        "MEASURE kill -9 to reassignment of {victim} extents: {} ms (lease {lease_ms} ms)",
+        took.as_millis()
+    );
+    // The lease runs from the victim's last heartbeat, before the kill; add
+    // the coordinator's lease tick (50 ms here) and this test's polling of
+    // pwctl, which is slow on a busy two-core machine.
+    assert!(
+        took < Duration::from_millis(lease_ms + 1500),
+        "took {took:?} with a {lease_ms} ms lease"
+    );
+    let nodes = c.json(&["nodes"]);
+    let n2 = nodes
+        .as_array()
+        .and_then(|a| a.iter().find(|n| n["node_id"] == "n2"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(n2["state"], "dead");
+}
+
+#[test]
+fn coordinator_kill9_and_restart_gives_back_the_same_map_and_epoch() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    for id in ["r1", "r2", "r3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let before = c.grpc_map();
+    let nodes_before = c.json(&["nodes"]);
+    c.coord.as_mut().expect("coordinator").kill9();
+    assert!(
+        c.try_pwctl(&["status"]).is_none(),
+        "coordinator still answers"
+    );
+    c.start_coordinator();
+    let after = c.grpc_map();
+    assert_eq!(after.epoch, before.epoch);
+    assert_eq!(after.owner, before.owner);
+    assert_eq!(after.nodes, before.nodes);
+    let nodes_after = c.json(&["nodes"]);
+    let ids = |v: &Value| -> Vec<(String, u64)> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .map(|n| {
+                (
+                    n["node_id"].as_str().unwrap_or_default().to_owned(),
+                    n["index"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(ids(&nodes_after), ids(&nodes_before));
+    // The nodes keep their leases through the restart: nothing moves.
+    std::thread::sleep(Duration::from_millis(c.lease_ms + 500));
+    c.wait_stable(3);
+    assert_eq!(c.grpc_map().owner, before.owner);
+}
+
+#[test]
+fn a_fourth_node_moves_about_a_quarter_of_the_extents() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    for id in ["q1", "q2", "q3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let before = c.grpc_map().owner;
+    c.start_node("q4", 1024);
+    c.wait_stable(4);
+    let after = c.grpc_map().owner;
+    let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+    let frac = moved as f64 / before.len() as f64;
+    eprintln!(
+        "MEASURE fourth node join moved {moved} of {} extents: {frac:.3} (ideal 0.25)",
+        before.len()
+    );
+    assert!((0.2..=0.3).contains(&frac), "moved fraction {frac}");
+}
+
+#[test]
+fn malformed_and_unauthenticated_requests_get_clear_errors() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    c.start_node("m1", 256);
+    c.wait_stable(1);
+    let port = c.port;
+    let node_addr = c.json(&["nodes"])[0]["grpc_address"]
+        .as_str()
+        .expect("address")
+        .to_owned();
+    rt().block_on(async move {
+        // No token, wrong token.
+        let mut anon = coord_client(port, None).await;
+        let e = anon.status(StatusRequest {}).await.expect_err("no token");
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("token"), "{e:?}");
+        let mut wrong = coord_client(port, Some("not-the-token")).await;
+        let e = wrong
+            .status(StatusRequest {})
+            .await
+            .expect_err("wrong token");
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(!e.message().is_empty());
+
+        // Malformed requests.
+        let mut c = coord_client(port, Some(TOKEN)).await;
+        let e = c
+            .register(RegisterRequest {
+                node_id: "bad id!".into(),
+                grpc_address: "127.0.0.1:1".into(),
+                capacity_bytes: 1,
+                file_size: FILE,
+                page_size: PAGE as u32,
+                ..Default::default()
+            })
+            .await
+            .expect_err("bad node id");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("node_id"), "{e:?}");
+        let e = c
+            .register(RegisterRequest {
+                node_id: "x".into(),
+                grpc_address: "127.0.0.1:1".into(),
+                capacity_bytes: 1,
+                file_size: FILE + 1,
+                page_size: PAGE as u32,
+                ..Default::default()
+            })
+            .await
+            .expect_err("wrong file size");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("byte"), "{e:?}");
+        let e = c
+            .warm(ClusterRangeRequest { range: None })
+            .await
+            .expect_err("no range");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("range"), "{e:?}");
+
+        // The node service checks the same way.
+        let ch = pagewire_proto::net::connect(&node_addr, None, Duration::from_secs(5))
+            .await
+            .expect("connect node");
+        let mut anon = NodeClient::with_interceptor(ch.clone(), interceptor(None));
+        let e = anon
+            .fault_in(FaultInRequest::default())
+            .await
+            .expect_err("no token");
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let mut n = NodeClient::with_interceptor(ch, interceptor(Some(TOKEN)));
+        let e = n
+            .fault_in(FaultInRequest {
+                run: Some(PageRun {
+                    first_page: 0,
+                    page_count: 0,
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect_err("empty run");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("page_count"), "{e:?}");
+        let e = n
+            .fault_in(FaultInRequest {
+                run: Some(PageRun {
+                    first_page: FILE / PAGE,
+                    page_count: 1,
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect_err("past the end");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        // A good fault-in returns the frame and the bytes.
+        let r = n
+            .fault_in(FaultInRequest {
+                run: Some(PageRun {
+                    first_page: 3,
+                    page_count: 2,
+                }),
+                want_data: true,
+                map_epoch: 0,
+            })
+            .await
+            .expect("fault in")
+            .into_inner();
+        assert_eq!(r.frames.len(), 2);
+        assert_eq!(r.data.len() as u64, 2 * PAGE);
+    });
+}
+
+#[test]
+fn pwctl_against_a_stopped_coordinator_fails_clearly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN).expect("token");
+    let port = free_port();
+    let out = Command::new(pwctl_bin())
+        .args(["--coordinator", &format!("127.0.0.1:{port}")])
+        .arg("--token-file")
+        .arg(&token)
+        .args(["--timeout-ms", "2000", "status"])
+        .output()
+        .expect("run pwctl");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot reach the coordinator"), "{err}");
+    assert!(out.stdout.is_empty());
+
+    // A wrong flag or argument is a usage error (exit 2), before any network.
+    let out = Command::new(pwctl_bin())
+        .arg("--no-such-flag")
+        .output()
+        .expect("run pwctl");
+    assert_eq!(out.status.code(), Some(2));
+    let out = Command::new(pwctl_bin())
+        .arg("--token-file")
+        .arg(&token)
+        .args(["warm", "10M..1M"])
+        .output()
+        .expect("run pwctl");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("RANGE"));
+}
+
+#[test]
+fn nodes_serve_their_extents_write_through_and_refuse_stale_maps() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    c.start_node("w1", 512);
+    c.start_node("w2", 512);
+    c.wait_stable(2);
+    let map = c.grpc_map();
+    let addr_of = |index: u32| {
+        map.nodes
+            .iter()
+            .find(|n| n.index == index)
+            .map(|n| n.grpc_address.clone())
+            .expect("node in map")
+    };
+    let ppe = EXTENT / PAGE;
+    // An extent of each node.
+    let e1 = map
+        .owner
+        .iter()
+        .position(|&o| o == map.owner[0])
+        .expect("extent") as u64;
+    let other = map
+        .owner
+        .iter()
+        .position(|&o| o != map.owner[0])
+        .expect("extent") as u64;
+    let (owner, page, foreign_page) = (map.owner[0], e1 * ppe + 1, other * ppe);
+    let epoch = map.epoch;
+    let addr = addr_of(owner);
+    let backing = c.path("data.bin");
+    rt().block_on(async move {
+        let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(5))
+            .await
+            .expect("connect node");
+        let mut n = NodeClient::with_interceptor(ch, interceptor(Some(TOKEN)));
+        let r = n
+            .read(ReadRequest {
+                run: Some(PageRun {
+                    first_page: page,
+                    page_count: 1,
+                }),
+                map_epoch: epoch,
+            })
+            .await
+            .expect("read")
+            .into_inner();
+        assert_eq!(
+            r.data,
+            vec![0u8; PAGE as usize],
+            "sparse file reads as zeros"
+        );
+        assert_eq!(r.generations.len(), 1);
+
+        let data: Vec<u8> = (0..PAGE).map(|i| (i % 251) as u8).collect();
+        let w = n
+            .write(WriteRequest {
+                page,
+                data: data.clone(),
+                map_epoch: epoch,
+            })
+            .await
+            .expect("write")
+            .into_inner();
+        // The generation names the new frame's incarnation (what a remote
+        // reader validates), not a per-page version: it need not grow.
+        // Written through: the backing file has the bytes once acknowledged.
+        let file = std::fs::read(&backing).expect("read backing file");
+        let off = (page * PAGE) as usize;
+        assert_eq!(&file[off..off + PAGE as usize], &data[..]);
+        let r = n
+            .read(ReadRequest {
+                run: Some(PageRun {
+                    first_page: page,
+                    page_count: 1,
+                }),
+                map_epoch: epoch,
+            })
+            .await
+            .expect("read back")
+            .into_inner();
+        assert_eq!(r.data, data);
+        assert_eq!(r.generations[0], w.generation);
+
+        let e = n
+            .write(WriteRequest {
+                page,
+                data: vec![1; 10],
+                map_epoch: epoch,
+            })
+            .await
+            .expect_err("short write");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+
+        // A page this node does not serve is refused as a stale map.
+        let e = n
+            .fault_in(FaultInRequest {
+                run: Some(PageRun {
+                    first_page: foreign_page,
+                    page_count: 1,
+                }),
+                want_data: false,
+                map_epoch: epoch,
+            })
+            .await
+            .expect_err("foreign extent");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(e.message().contains("stale map"), "{e:?}");
+    });
+}

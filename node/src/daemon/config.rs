@@ -1,0 +1,208 @@
+//! Node daemon configuration: a TOML file (every option is documented in
+//! `node/src/daemon/pagewire-node.example.toml`), overridden by flags.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::error::DaemonError;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct Config {
+    pub(crate) node_id: String,
+    pub(crate) backing_file: PathBuf,
+    pub(crate) listen: String,
+    pub(crate) advertise: String,
+    pub(crate) metrics_listen: String,
+    pub(crate) coordinator: String,
+    pub(crate) token: String,
+    pub(crate) token_file: Option<PathBuf>,
+    pub(crate) capacity_bytes: u64,
+    pub(crate) max_pages_per_call: u64,
+    pub(crate) leave_on_shutdown: bool,
+    pub(crate) log: String,
+    pub(crate) cache: CacheSection,
+    pub(crate) tls: TlsSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct CacheSection {
+    pub(crate) page_size: usize,
+    pub(crate) frames: usize,
+    pub(crate) direct_io: bool,
+    pub(crate) sync_writes: bool,
+    pub(crate) readahead_max: usize,
+    pub(crate) evict_batch: usize,
+    pub(crate) numa_node: Option<usize>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct TlsSection {
+    pub(crate) cert_file: Option<PathBuf>,
+    pub(crate) key_file: Option<PathBuf>,
+    pub(crate) client_ca_file: Option<PathBuf>,
+    pub(crate) coordinator_ca_file: Option<PathBuf>,
+    pub(crate) coordinator_domain: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            node_id: String::new(),
+            backing_file: PathBuf::new(),
+            listen: "127.0.0.1:7500".into(),
+            advertise: String::new(),
+            metrics_listen: "127.0.0.1:7501".into(),
+            coordinator: "127.0.0.1:7400".into(),
+            token: String::new(),
+            token_file: None,
+            capacity_bytes: 0,
+            max_pages_per_call: 1024,
+            leave_on_shutdown: true,
+            log: "info".into(),
+            cache: CacheSection::default(),
+            tls: TlsSection::default(),
+        }
+    }
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        let d = pagewire_node::CacheConfig::default();
+        Self {
+            page_size: d.page_size,
+            frames: d.frames,
+            direct_io: d.direct_io,
+            sync_writes: d.sync_writes,
+            readahead_max: d.readahead_max,
+            evict_batch: d.evict_batch,
+            numa_node: d.numa_node,
+        }
+    }
+}
+
+fn invalid(key: &'static str, reason: impl Into<String>) -> DaemonError {
+    DaemonError::Config {
+        key,
+        reason: reason.into(),
+    }
+}
+
+impl Config {
+    pub(crate) fn load(path: Option<&Path>) -> Result<Self, DaemonError> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| DaemonError::ReadFile {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| DaemonError::ConfigParse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    pub(crate) fn cache_config(&self) -> pagewire_node::CacheConfig {
+        let c = &self.cache;
+        // Fields the cache gains later keep their defaults.
+        #[allow(clippy::needless_update)]
+        pagewire_node::CacheConfig {
+            page_size: c.page_size,
+            frames: c.frames,
+            direct_io: c.direct_io,
+            sync_writes: c.sync_writes,
+            readahead_max: c.readahead_max,
+            evict_batch: c.evict_batch,
+            numa_node: c.numa_node,
+            ..Default::default()
+        }
+    }
+
+    /// Bytes of cache this node offers the cluster (its rendezvous weight).
+    pub(crate) fn capacity(&self) -> u64 {
+        if self.capacity_bytes != 0 {
+            self.capacity_bytes
+        } else {
+            (self.cache.frames as u64).saturating_mul(self.cache.page_size as u64)
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), DaemonError> {
+        if self.backing_file.as_os_str().is_empty() {
+            return Err(invalid(
+                "backing_file",
+                "required (the big file this cluster caches)",
+            ));
+        }
+        if self.coordinator.is_empty() {
+            return Err(invalid("coordinator", "required"));
+        }
+        if self.max_pages_per_call == 0 || self.max_pages_per_call > 1 << 16 {
+            return Err(invalid("max_pages_per_call", "must be in 1..=65536"));
+        }
+        if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
+            return Err(invalid("tls", "cert_file and key_file go together"));
+        }
+        if self.tls.coordinator_ca_file.is_some() && self.tls.coordinator_domain.is_empty() {
+            return Err(invalid(
+                "tls.coordinator_domain",
+                "required with tls.coordinator_ca_file: the name the coordinator's certificate carries",
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn resolve_token(&self) -> Result<String, DaemonError> {
+        let token = if !self.token.is_empty() {
+            self.token.clone()
+        } else if let Some(path) = &self.token_file {
+            std::fs::read_to_string(path)
+                .map_err(|source| DaemonError::ReadFile {
+                    path: path.clone(),
+                    source,
+                })?
+                .trim()
+                .to_owned()
+        } else {
+            return Err(invalid(
+                "token",
+                "no cluster token: set `token` or `token_file`, --token-file, or PAGEWIRE_TOKEN",
+            ));
+        };
+        pagewire_proto::auth::validate_token(&token)
+            .map_err(|e| invalid("token", e.to_string()))?;
+        Ok(token)
+    }
+
+    /// The node id: configured, else the host name.
+    pub(crate) fn node_id(&self) -> String {
+        if !self.node_id.is_empty() {
+            return self.node_id.clone();
+        }
+        hostname().unwrap_or_else(|| "pagewire-node".into())
+    }
+}
+
+pub(crate) fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn example_config_parses() {
+        let cfg: super::Config =
+            toml::from_str(include_str!("pagewire-node.example.toml")).unwrap();
+        assert!(
+            cfg.validate().is_err(),
+            "the example leaves backing_file empty"
+        );
+    }
+}

@@ -1,0 +1,69 @@
+//! The daemon's errors, and their one conversion to `tonic::Status`.
+
+use std::path::PathBuf;
+
+/// Why the daemon could not start, or why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum DaemonError {
+    #[error("cannot read {path}: {source}")]
+    ReadFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("bad config file {path}: {message}")]
+    ConfigParse { path: PathBuf, message: String },
+    #[error("invalid setting `{key}`: {reason}")]
+    Config { key: &'static str, reason: String },
+    #[error("cannot open the cache: {0}")]
+    Open(#[from] pagewire_node::OpenError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Net(#[from] pagewire_proto::net::NetError),
+    #[error("gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("the coordinator refused this node: {0}")]
+    Refused(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("stale map: {0}")]
+    StaleMap(String),
+    #[error("this node has no ownership map yet; retry")]
+    NoMap,
+    #[error(transparent)]
+    Read(#[from] pagewire_node::ReadError),
+    #[error(transparent)]
+    Write(#[from] pagewire_node::WriteError),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl From<DaemonError> for tonic::Status {
+    fn from(e: DaemonError) -> Self {
+        use pagewire_node::{ReadError, WriteError};
+        let msg = e.to_string();
+        match &e {
+            DaemonError::InvalidArgument(_)
+            | DaemonError::Read(ReadError::BeyondEnd { .. } | ReadError::BufferSize { .. })
+            | DaemonError::Write(WriteError::BeyondEnd { .. } | WriteError::WrongLength { .. }) => {
+                tonic::Status::invalid_argument(msg)
+            }
+            DaemonError::StaleMap(_) => tonic::Status::failed_precondition(msg),
+            DaemonError::NoMap => tonic::Status::unavailable(msg),
+            DaemonError::Read(ReadError::NoFrame)
+            | DaemonError::Write(WriteError::NoFrame | WriteError::Read(ReadError::NoFrame)) => {
+                tonic::Status::resource_exhausted(msg)
+            }
+            _ => {
+                tracing::warn!(error = %msg, "call failed");
+                tonic::Status::internal(msg)
+            }
+        }
+    }
+}

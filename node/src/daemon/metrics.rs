@@ -1,0 +1,140 @@
+//! The node's Prometheus metrics, read from the cache and the daemon's
+//! counters on each scrape (no second set of counters to keep in step).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
+use super::Node;
+
+struct NodeCollector(Arc<Node>);
+
+impl std::fmt::Debug for NodeCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeCollector")
+    }
+}
+
+fn counter(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> std::fmt::Result {
+    let c = ConstCounter::new(v);
+    let m = enc.encode_descriptor(name, help, None, c.metric_type())?;
+    c.encode(m)
+}
+
+fn gauge(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> std::fmt::Result {
+    let g = ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX));
+    let m = enc.encode_descriptor(name, help, None, g.metric_type())?;
+    g.encode(m)
+}
+
+impl prometheus_client::collector::Collector for NodeCollector {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let n = &self.0;
+        let s = n.cache.stats();
+        let view = n.view();
+        let frames = n.cache.config().frames as u64;
+        counter(
+            &mut enc,
+            "cache_hits",
+            "Lookups that found the page",
+            s.hits,
+        )?;
+        counter(&mut enc, "cache_misses", "Lookups that did not", s.misses)?;
+        counter(
+            &mut enc,
+            "cache_faults",
+            "Backing reads (one per run of pages)",
+            s.faults,
+        )?;
+        counter(
+            &mut enc,
+            "cache_pages_read",
+            "Pages read from the backing file",
+            s.pages_read,
+        )?;
+        counter(&mut enc, "cache_evictions", "Frames evicted", s.evictions)?;
+        counter(
+            &mut enc,
+            "cache_retries",
+            "Lookups retried after a lost race",
+            s.retries,
+        )?;
+        counter(&mut enc, "cache_writes", "Writes acknowledged", s.writes)?;
+        counter(
+            &mut enc,
+            "cache_flight_waits",
+            "Misses that waited for another fault of the page",
+            s.flight_waits,
+        )?;
+        counter(
+            &mut enc,
+            "bytes_served",
+            "Page bytes sent by FaultIn and Read",
+            n.bytes_served.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "stale_map_rejections",
+            "Calls refused because the caller's map was stale",
+            n.stale_rejections.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "heartbeat_failures",
+            "Heartbeats that did not reach the coordinator",
+            n.heartbeat_failures.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "registrations",
+            "Registrations with the coordinator",
+            n.registrations.load(Ordering::Relaxed),
+        )?;
+        gauge(&mut enc, "cache_frames", "Frames in the cache", frames)?;
+        gauge(
+            &mut enc,
+            "cache_pages_resident",
+            "Frames holding a page",
+            frames.saturating_sub(n.cache.free_frames() as u64),
+        )?;
+        gauge(
+            &mut enc,
+            "map_epoch",
+            "Epoch of the map this node applied",
+            view.as_ref().map_or(0, |v| v.map.epoch),
+        )?;
+        gauge(
+            &mut enc,
+            "extents_owned",
+            "Extents this node owns",
+            view.as_ref().map_or(0, |v| v.owned()),
+        )?;
+        gauge(
+            &mut enc,
+            "extents_handing_off",
+            "Extents this node still serves for their new owner",
+            view.as_ref().map_or(0, |v| {
+                v.map.previous_owner.iter().filter(|&&p| p == v.me).count() as u64
+            }),
+        )?;
+        Ok(())
+    }
+}
+
+pub(crate) fn registry(node: Arc<Node>) -> Registry {
+    let mut r = Registry::with_prefix("pagewire_node");
+    r.register_collector(Box::new(NodeCollector(node)));
+    r
+}
+
+pub(crate) fn render(r: &Registry) -> String {
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, r).is_err() {
+        out.clear();
+    }
+    out
+}

@@ -1,0 +1,129 @@
+//! Channels and server TLS settings shared by every pagewire endpoint.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
+};
+
+/// Why a channel or a TLS setting could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NetError {
+    #[error("invalid address {address:?}: {source}")]
+    BadAddress {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("cannot connect to {address}: {source}")]
+    Connect {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("cannot read {path}: {source}")]
+    ReadFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("bad TLS settings: {source}")]
+    Tls {
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, NetError> {
+    std::fs::read(path).map_err(|source| NetError::ReadFile {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// How a client checks the server: a CA certificate (PEM) and the name the
+/// server's certificate must carry.
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    pub ca_file: PathBuf,
+    pub domain: String,
+}
+
+/// How a server proves itself: certificate chain and key (PEM), and
+/// optionally a CA that clients' certificates must chain to (mutual TLS).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    pub client_ca_file: Option<PathBuf>,
+}
+
+impl ServerTls {
+    pub fn config(&self) -> Result<ServerTlsConfig, NetError> {
+        let identity = Identity::from_pem(read(&self.cert_file)?, read(&self.key_file)?);
+        let mut cfg = ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.client_ca_file {
+            cfg = cfg.client_ca_root(Certificate::from_pem(read(ca)?));
+        }
+        Ok(cfg)
+    }
+}
+
+/// Builds an endpoint for `address` (`host:port` or a full `http(s)://` URL),
+/// with TLS when `tls` is given.
+pub fn endpoint(
+    address: &str,
+    tls: Option<&ClientTls>,
+    connect_timeout: Duration,
+) -> Result<Endpoint, NetError> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let url = if address.contains("://") {
+        address.to_owned()
+    } else {
+        format!("{scheme}://{address}")
+    };
+    let mut ep = Endpoint::from_shared(url).map_err(|source| NetError::BadAddress {
+        address: address.to_owned(),
+        source,
+    })?;
+    ep = ep
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5));
+    if let Some(tls) = tls {
+        let cfg = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(&tls.ca_file)?))
+            .domain_name(tls.domain.clone());
+        ep = ep
+            .tls_config(cfg)
+            .map_err(|source| NetError::Tls { source })?;
+    }
+    Ok(ep)
+}
+
+/// Connects now (fails fast when nothing listens).
+pub async fn connect(
+    address: &str,
+    tls: Option<&ClientTls>,
+    connect_timeout: Duration,
+) -> Result<Channel, NetError> {
+    endpoint(address, tls, connect_timeout)?
+        .connect()
+        .await
+        .map_err(|source| NetError::Connect {
+            address: address.to_owned(),
+            source,
+        })
+}
+
+/// A channel that connects on first use and reconnects after failures.
+pub fn connect_lazy(
+    address: &str,
+    tls: Option<&ClientTls>,
+    connect_timeout: Duration,
+) -> Result<Channel, NetError> {
+    Ok(endpoint(address, tls, connect_timeout)?.connect_lazy())
+}
