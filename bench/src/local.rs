@@ -358,6 +358,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                         si(r.ops_per_sec),
                         format!("{:.1}", r.ns_per_op),
                         format!("{base:.2}x"),
+                        si(r.ops_per_cpu_sec),
                     ]
                 })
                 .collect();
@@ -370,6 +371,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     "ops/s",
                     "ns/op",
                     "vs 1 thread",
+                    "ops/cpu-s",
                 ],
                 &body,
             );
@@ -384,10 +386,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 
 /// The ratios the issue asks for, computed from the medians.
 fn summarize(rows: &[Row]) -> Vec<(String, f64)> {
-    let get = |index: &str, mode: &str, w: &str, t: usize| {
+    let find = |index: &str, mode: &str, w: &str, t: usize| {
         rows.iter()
             .find(|r| r.index == index && r.mode == mode && r.workload == w && r.threads == t)
-            .map(|r| r.ops_per_sec)
+    };
+    let get =
+        |index: &str, mode: &str, w: &str, t: usize| find(index, mode, w, t).map(|r| r.ops_per_sec);
+    // Per CPU-second: what the scaling would be had no other process taken
+    // the cores (the machines are shared).
+    let cpu = |index: &str, mode: &str, w: &str, t: usize| {
+        find(index, mode, w, t).map(|r| r.ops_per_cpu_sec)
     };
     let mut out = Vec::new();
     let max_t = rows.iter().map(|r| r.threads).max().unwrap_or(1);
@@ -399,6 +407,15 @@ fn summarize(rows: &[Row]) -> Vec<(String, f64)> {
             ) {
                 out.push((
                     format!("{idx} {mode} partitioned 2-thread / 1-thread"),
+                    b / a,
+                ));
+            }
+            if let (Some(a), Some(b)) = (
+                cpu(idx, mode, "partitioned", 1),
+                cpu(idx, mode, "partitioned", 2),
+            ) {
+                out.push((
+                    format!("{idx} {mode} partitioned 2-thread / 1-thread, per CPU-second"),
                     b / a,
                 ));
             }
