@@ -14,7 +14,6 @@ use pagewire_node::index::{Index, IndexKind, Lockless, Mutexed, RwLocked, Sharde
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use serde::Serialize;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(clap::Args, Serialize, Clone, Debug)]
@@ -42,12 +41,9 @@ pub struct Args {
     /// A seconds-long smoke run.
     #[arg(long)]
     pub quick: bool,
-    #[arg(long)]
+    #[command(flatten)]
     #[serde(skip)]
-    pub json: bool,
-    #[arg(long, default_value = "bench-out")]
-    #[serde(skip)]
-    pub out: PathBuf,
+    pub output: crate::report::Output,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -153,11 +149,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         a.duration_ms = a.duration_ms.min(50);
         a.repeats = 1;
     }
-    if a.threads == 0 {
-        a.threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-    }
+    a.threads = crate::workers::threads_or_cores(a.threads);
     anyhow::ensure!(a.repeats > 0, "--repeats must be at least 1");
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bytes.dat");
@@ -244,8 +236,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     report::emit(
         "bytes",
-        a.json,
-        Some(&a.out),
+        &a.output,
         &serde_json::json!({ "args": &a, "pages": pages, "summary": &summary }),
         &rows,
         || {

@@ -13,7 +13,6 @@ use pagewire_node::index::{
     Index, IndexKind, Inserted, Lockless, Mutexed, RwLocked, Sharded, Standalone,
 };
 use serde::Serialize;
-use std::path::PathBuf;
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -39,12 +38,9 @@ pub struct Args {
     /// A seconds-long smoke run (2^16 pages, one repeat).
     #[arg(long)]
     pub quick: bool,
-    #[arg(long)]
+    #[command(flatten)]
     #[serde(skip)]
-    pub json: bool,
-    #[arg(long, default_value = "bench-out")]
-    #[serde(skip)]
-    pub out: PathBuf,
+    pub output: crate::report::Output,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -185,8 +181,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     report::emit(
         "insert",
-        a.json,
-        Some(&a.out),
+        &a.output,
         &serde_json::json!({ "args": &a, "summary": &summary }),
         &rows,
         || {

@@ -62,14 +62,9 @@ pub struct Args {
     /// A seconds-long smoke run: 16 MiB, 50 ms, one repeat.
     #[arg(long)]
     pub quick: bool,
-    /// Print one JSON object instead of a table.
-    #[arg(long)]
+    #[command(flatten)]
     #[serde(skip)]
-    pub json: bool,
-    /// Folder for the JSON and the SVG plots.
-    #[arg(long, default_value = "bench-out")]
-    #[serde(skip)]
-    pub out: PathBuf,
+    pub output: crate::report::Output,
 }
 
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -257,11 +252,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         a.duration_ms = a.duration_ms.min(50);
         a.repeats = 1;
     }
-    if a.threads == 0 {
-        a.threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-    }
+    a.threads = crate::workers::threads_or_cores(a.threads);
     anyhow::ensure!(a.repeats > 0, "--repeats must be at least 1");
     let dir = tempfile::tempdir()?;
     let path = match &a.file {
@@ -329,11 +320,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         })
         .collect();
     let summary = summarize(&rows);
-    crate::plot::scaling(&a.out, "local", &rows)?;
+    crate::plot::scaling(&a.output.out, "local", &rows)?;
     report::emit(
         "local",
-        a.json,
-        Some(&a.out),
+        &a.output,
         &serde_json::json!({ "args": &a, "pages": pages, "summary": &summary }),
         &rows,
         || {

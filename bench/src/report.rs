@@ -1,7 +1,18 @@
 //! Output: a human table or one JSON object, and medians.
 
 use serde::Serialize;
-use std::path::Path;
+use std::path::PathBuf;
+
+/// Output flags shared by every bench.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Output {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Folder for the JSON (and, for scaling benches, the SVG plots).
+    #[arg(long, default_value = "bench-out")]
+    pub out: PathBuf,
+}
 
 pub fn median(mut xs: Vec<f64>) -> f64 {
     if xs.is_empty() {
@@ -19,22 +30,19 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 /// Print `{"bench", "machine", "params", "results"}` as JSON, or a table.
 pub fn emit<P: Serialize, R: Serialize>(
     bench: &str,
-    json: bool,
-    out: Option<&Path>,
+    output: &Output,
     params: &P,
     results: &[R],
     table: impl FnOnce() -> String,
 ) -> anyhow::Result<()> {
     let machine = crate::machine::describe();
     let doc = serde_json::json!({ "bench": bench, "machine": machine, "params": params, "results": results });
-    if let Some(dir) = out {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(
-            dir.join(format!("{bench}.json")),
-            serde_json::to_string_pretty(&doc)?,
-        )?;
-    }
-    if json {
+    std::fs::create_dir_all(&output.out)?;
+    std::fs::write(
+        output.out.join(format!("{bench}.json")),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    if output.json {
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         println!("{bench}: {machine}");

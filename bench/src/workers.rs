@@ -183,6 +183,16 @@ impl Chooser {
     }
 }
 
+/// `n`, or one thread per core when `n` is 0.
+pub fn threads_or_cores(n: usize) -> usize {
+    if n > 0 {
+        return n;
+    }
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
 /// Thread counts to measure: 1, 2, 4, … up to `max`, and `max`.
 pub fn thread_points(max: usize) -> Vec<usize> {
     let mut v: Vec<usize> = std::iter::successors(Some(1usize), |&n| Some(n * 2))
