@@ -100,40 +100,6 @@ impl BackingFile {
         self.direct
     }
 
-    /// Read pages `first .. first + buf.len() / page_size` into `buf` (a run of
-    /// whole frames). Bytes past the end of the file are zeroed. A file that
-    /// shrank under us is an error, never silently short data.
-    pub fn read_run(&self, first: u64, buf: &mut [u8]) -> Result<(), BackingError> {
-        let offset = first * self.page_size as u64;
-        let want = (self.len.saturating_sub(offset)).min(buf.len() as u64) as usize;
-        // O_DIRECT needs whole aligned blocks: read whole frames and let the
-        // kernel stop at end of file.
-        let ask = if self.direct { buf.len() } else { want };
-        let mut done = 0;
-        while done < ask {
-            match self.file.read_at(&mut buf[done..ask], offset + done as u64) {
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(source) => {
-                    return Err(BackingError::Read {
-                        offset: offset + done as u64,
-                        source,
-                    });
-                }
-            }
-        }
-        if done < want {
-            return Err(BackingError::ShortRead {
-                offset,
-                wanted: want,
-                got: done,
-            });
-        }
-        buf[want..].fill(0);
-        Ok(())
-    }
-
     /// Read the pages from `first` into `bufs`, one whole frame each, with as
     /// few `preadv` calls as the kernel allows. Bytes past the end of the file
     /// are zeroed; a file that shrank under us is an error.

@@ -563,7 +563,7 @@ impl<I: Index> PageCache<I> {
                         region.read(old, |src| dst.copy_from_slice(src));
                         self.core.frames.put(old);
                     } else if !whole {
-                        self.file.read_run(page, &mut dst[..ps])?;
+                        self.file.read_frames(page, &mut [&mut dst[..ps]])?;
                     }
                     dst[offset..offset + data.len()].copy_from_slice(data);
                     dst[len..].fill(0);
