@@ -14,7 +14,7 @@ use crate::core::{Core, Lost, Sweep};
 use crate::error::{OpenError, ReadError, WriteError};
 use crate::flight::{Claim, Claimed, Flights};
 use crate::index::{Index, IndexKind, Lockless};
-use crate::layout::RegionLayout;
+use crate::layout::{IndexCode, RegionLayout};
 use crate::raw::frames::Frames;
 use crate::raw::region::Region;
 use crate::stats::{Counter, Counters, Stats};
@@ -137,8 +137,23 @@ impl PageCache<Lockless> {
 }
 
 impl<I: Index> PageCache<I> {
-    /// Open a cache with index variant `I`.
+    /// Open a cache with index variant `I`, its region in anonymous private
+    /// memory (transparent huge pages where the kernel gives them): served
+    /// locally, or by a transport that registers this process's memory.
     pub fn open_with(path: &Path, cfg: CacheConfig) -> Result<Self, OpenError> {
+        Self::open_on(path, cfg, None)
+    }
+
+    /// Open a cache whose region lives in `shared`, memory that a transport
+    /// registered and serves (an `shm` region that other processes map
+    /// read-only, say). `shared` must be fresh (zero-filled), page-aligned
+    /// and at least [`PageCache::region_len`] bytes; the cache keeps it
+    /// alive. `None` is [`PageCache::open_with`].
+    pub fn open_on(
+        path: &Path,
+        cfg: CacheConfig,
+        shared: Option<Box<dyn pagewire_rdma::LocalRegion>>,
+    ) -> Result<Self, OpenError> {
         if cfg.frames == 0 {
             return Err(OpenError::ZeroFrames(0));
         }
@@ -148,13 +163,24 @@ impl<I: Index> PageCache<I> {
         if cfg.frames >= u32::MAX as usize {
             return Err(OpenError::TooManyFrames { frames: cfg.frames });
         }
-        let file = BackingFile::open(path, cfg.page_size, cfg.direct_io, cfg.sync_writes)?;
         let layout = RegionLayout::new(cfg.page_size, cfg.frames);
-        let region =
-            Region::new(layout, file.pages(), file.len()).map_err(|source| OpenError::Alloc {
+        // Overflow buckets are linked by a 32-bit index + 1.
+        if layout.overflow_count >= u32::MAX as usize {
+            return Err(OpenError::TooManyFrames { frames: cfg.frames });
+        }
+        let file = BackingFile::open(path, cfg.page_size, cfg.direct_io, cfg.sync_writes)?;
+        let index = match I::KIND {
+            IndexKind::Lockless => IndexCode::Lockless,
+            IndexKind::RwLock => IndexCode::RwLock,
+            IndexKind::Mutex => IndexCode::Mutex,
+            IndexKind::Sharded => IndexCode::Sharded,
+        };
+        let region = Region::with_memory(layout, file.pages(), file.len(), index, shared).map_err(
+            |source| OpenError::Alloc {
                 len: layout.len,
                 source,
-            })?;
+            },
+        )?;
         let (addr, len) = region.raw();
         let numa = crate::numa::place(addr, len, cfg.numa_node);
         let pages = file.pages();
@@ -167,6 +193,12 @@ impl<I: Index> PageCache<I> {
             pages,
             numa,
         })
+    }
+
+    /// Bytes of the region of a cache of `frames` frames of `page_size`
+    /// bytes: what [`PageCache::open_on`] needs.
+    pub fn region_len(page_size: usize, frames: usize) -> usize {
+        RegionLayout::new(page_size, frames).len
     }
 
     /// The index variant.
@@ -321,12 +353,12 @@ impl<I: Index> PageCache<I> {
                 }
             }
             match self.fill_run(&claims) {
-                Ok(Some(f)) => {
-                    self.note_fault(page, claims.len());
+                Ok((Some(f), read)) => {
+                    self.note_fault(page, read);
                     return Ok(f);
                 }
                 // Lost an insert race to a writer-allocated copy: look again.
-                Ok(None) => continue,
+                Ok((None, _)) => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -343,9 +375,11 @@ impl<I: Index> PageCache<I> {
         }
     }
 
-    /// Read the claimed run of pages into fresh frames and index them.
-    /// Returns the first page's frame with a reference held.
-    fn fill_run(&self, claims: &[Claim<'_>]) -> Result<Option<u32>, ReadError> {
+    /// Read the claimed run of pages into fresh frames and gang-insert them.
+    /// Returns the first page's frame with a reference held (`None` if
+    /// another copy of it was indexed first) and how many pages of the run
+    /// were read: fewer than claimed when frames ran out part-way.
+    fn fill_run(&self, claims: &[Claim<'_>]) -> Result<(Option<u32>, usize), ReadError> {
         let first = claims[0].page();
         let mut frames = Vec::with_capacity(claims.len());
         for i in 0..claims.len() {
@@ -363,7 +397,10 @@ impl<I: Index> PageCache<I> {
                 // SAFETY: each frame was just taken off the free list by
                 // `alloc_frame`: it is `Filling`, refcount 0, owned by us alone,
                 // and the frames are distinct, so the slices do not alias; each
-                // is `ps` bytes inside the live region.
+                // is `ps` bytes inside the live region. Only the kernel writes
+                // through them (`preadv`), which races with no Rust access: a
+                // responder copying a stale location of the frame uses atomic
+                // loads and validates by checksum.
                 bufs.push(unsafe { std::slice::from_raw_parts_mut(region.frame_ptr(f), ps) });
             }
             self.file.read_frames(first, &mut bufs)
@@ -377,19 +414,24 @@ impl<I: Index> PageCache<I> {
         self.stats.add(Counter::Faults, 1);
         self.stats.add(Counter::PagesRead, frames.len() as u64);
         self.stats.add(Counter::Readahead, frames.len() as u64 - 1);
+        let run: Vec<(u32, u32)> = frames
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| (f, self.file.page_len(first + i as u64) as u32))
+            .collect();
         let mut first_frame = None;
-        for (i, &f) in frames.iter().enumerate() {
-            let page = first + i as u64;
-            let len = self.file.page_len(page) as u32;
-            match self.core.insert_filled(page, f, len) {
+        let mut first_full = false;
+        self.core
+            .insert_filled_run(first, &run, &mut |i, r| match r {
                 Ok(f) if i == 0 => first_frame = Some(f),
                 Ok(f) => self.core.frames.put(f),
-                Err(Lost::Present) => {}
-                Err(Lost::NoRoom) if i == 0 => return Err(ReadError::IndexFull),
-                Err(Lost::NoRoom) => {}
-            }
+                Err(Lost::NoRoom) if i == 0 => first_full = true,
+                Err(_) => {}
+            });
+        if first_full {
+            return Err(ReadError::IndexFull);
         }
-        Ok(first_frame)
+        Ok((first_frame, frames.len()))
     }
 
     /// Readahead: the window for a fault on `page` by this thread.
@@ -498,12 +540,15 @@ impl<I: Index> PageCache<I> {
                     None => break,
                 }
             }
-            let n = claims.len() as u64;
-            if let Some(f) = self.fill_run(&claims)? {
+            // Advance by what was read: with frames short, the run may stop
+            // early, and the rest is claimed again on the next turn.
+            let (first_frame, read) = self.fill_run(&claims)?;
+            if let Some(f) = first_frame {
                 self.core.frames.put(f);
             }
-            loaded += n;
-            p += n;
+            drop(claims);
+            loaded += read as u64;
+            p += read as u64;
         }
         Ok(loaded)
     }

@@ -4,10 +4,10 @@
 //! file, single flight and readahead; the loom models drive this core
 //! directly, so they check the code that ships.
 
-use crate::index::{Index, Inserted, Removed};
+use crate::index::{Index, Inserted, Link, Removed};
 use crate::layout::FrameState;
 use crate::raw::frames::Frames;
-use crate::sync::Ordering;
+use crate::sync::{Ordering, fence};
 
 pub(crate) struct Core<I: Index> {
     pub(crate) frames: Frames,
@@ -37,6 +37,14 @@ pub(crate) enum Sweep {
     Skip,
 }
 
+fn lost(r: Inserted) -> Lost {
+    if r == Inserted::AlreadyPresent {
+        Lost::Present
+    } else {
+        Lost::NoRoom
+    }
+}
+
 impl<I: Index> Core<I> {
     pub(crate) fn new(frames: Frames) -> Self {
         let index = I::create(&frames);
@@ -51,41 +59,72 @@ impl<I: Index> Core<I> {
 
     /// Publish a frame the caller filled (state `Filling`) as `page` and link
     /// it. On success the caller holds one reference on it besides the
-    /// index's, so it cannot be evicted before the caller is done.
+    /// index's, so it cannot be evicted before the caller is done. On
+    /// failure the frame was never visible and is back on the free list.
+    // The cache inserts runs (`insert_filled_run`); the loom models insert
+    // one page at a time through this.
+    #[cfg_attr(not(loom), allow(dead_code))]
     pub(crate) fn insert_filled(&self, page: u64, f: u32, len: u32) -> Result<u32, Lost> {
-        let generation = self.frames.publish(f, page, len);
-        self.frames.get_more(f);
-        match self.index.insert(&self.frames, page, f, generation) {
+        let generation = self.frames.prepare(f, page, len);
+        let link = Link::Publish { refs: 2 };
+        match self.index.insert(&self.frames, page, f, generation, link) {
             Inserted::Yes => Ok(f),
             other => {
-                self.frames.retire(f);
-                self.frames.put(f);
-                Err(if other == Inserted::AlreadyPresent {
-                    Lost::Present
-                } else {
-                    Lost::NoRoom
-                })
+                self.frames.free_unpublished(f);
+                Err(lost(other))
             }
         }
     }
 
-    /// Publish a filled frame as the new copy of `page` (copy-on-write) and
-    /// retire the copy it replaces. Returns the new generation.
+    /// Gang insertion of a run of filled frames `run[i] = (frame, len)` as
+    /// pages `first + i`: every frame is prepared (checksummed) first, then
+    /// the index links the whole run in one pass (the lockless index
+    /// prefetches every bucket of the run before it takes the first lock).
+    /// `done(i, outcome)` reports each page as [`Core::insert_filled`] would.
+    pub(crate) fn insert_filled_run(
+        &self,
+        first: u64,
+        run: &[(u32, u32)],
+        done: &mut dyn FnMut(usize, Result<u32, Lost>),
+    ) {
+        let prepared: Vec<(u32, u64)> = run
+            .iter()
+            .enumerate()
+            .map(|(i, &(f, len))| (f, self.frames.prepare(f, first + i as u64, len)))
+            .collect();
+        let link = Link::Publish { refs: 2 };
+        self.index
+            .insert_run(&self.frames, first, &prepared, link, &mut |i, r| {
+                let f = prepared[i].0;
+                if r == Inserted::Yes {
+                    done(i, Ok(f));
+                } else {
+                    self.frames.free_unpublished(f);
+                    done(i, Err(lost(r)));
+                }
+            });
+    }
+
+    /// Publish a filled frame as the new copy of `page` (copy-on-write). The
+    /// copy it replaces is invalidated before the new one becomes visible,
+    /// and both before this returns: the caller may acknowledge the write.
+    /// Returns the new generation.
     pub(crate) fn publish_cow(&self, page: u64, f: u32, len: u32) -> Result<u64, Lost> {
-        let generation = self.frames.publish(f, page, len);
+        let generation = self.frames.prepare(f, page, len);
         match self.index.replace(&self.frames, page, f, generation) {
-            Ok(Some(old)) => {
-                // The old frame's header is invalidated before the write is
-                // acknowledged: remote readers fail validation from here on.
-                self.frames.retire(old);
-                Ok(generation)
-            }
-            Ok(None) => Ok(generation),
+            Ok(Some(old)) => self.frames.drop_index_ref(old),
+            Ok(None) => {}
             Err(_) => {
-                self.frames.retire(f);
-                Err(Lost::NoRoom)
+                self.frames.free_unpublished(f);
+                return Err(Lost::NoRoom);
             }
         }
+        // SeqCst: the invalidation and the new generation are ordered before
+        // whatever acknowledges the write (a reply on a socket, a store that
+        // another thread reads), so a read that starts after the
+        // acknowledgement cannot accept the old copy.
+        fence(Ordering::SeqCst);
+        Ok(generation)
     }
 
     /// Try to evict frame `f` (one CLOCK step).

@@ -65,6 +65,26 @@ impl std::str::FromStr for IndexKind {
     }
 }
 
+/// What linking an entry does to its frame.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// Make the prepared frame visible with this many references (the
+    /// cache's inserts: 1 for the index, 2 when the caller keeps one).
+    Publish { refs: u32 },
+    /// Link the entry only; the frame's header is not touched (index-only
+    /// benchmarks and tests, whose frames hold no page).
+    EntryOnly,
+}
+
+impl Link {
+    pub(crate) fn apply(self, frames: &Frames, frame: u32, generation: u64) {
+        if let Link::Publish { refs } = self {
+            frames.make_visible(frame, generation, refs);
+        }
+    }
+}
+
 /// The outcome of inserting an entry.
 #[must_use]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,26 +122,38 @@ pub trait Index: Send + Sync + 'static {
     #[doc(hidden)]
     fn get(&self, frames: &FrameTable, page: u64, retries: &mut u64) -> Option<u32>;
 
-    /// Link `page → (frame, generation)`; the frame is published (refcount 1).
+    /// Link `page → (frame, generation)` unless the page is present; `link`
+    /// says whether the (prepared) frame is made visible as it goes in.
     #[doc(hidden)]
-    fn insert(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted;
+    fn insert(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Inserted;
 
     /// Link a run of pages starting at `first` (gang insertion). Reports each
-    /// page's outcome through `done`.
+    /// page's outcome through `done`; `link` applies to every frame.
     #[doc(hidden)]
     fn insert_run(
         &self,
         frames: &FrameTable,
         first: u64,
         run: &[(u32, u64)],
+        link: Link,
         done: &mut dyn FnMut(usize, Inserted),
     ) {
         for (i, &(f, g)) in run.iter().enumerate() {
-            done(i, self.insert(frames, first + i as u64, f, g));
+            done(i, self.insert(frames, first + i as u64, f, g, link));
         }
     }
 
-    /// Point `page` at a new frame; returns the frame it replaced, if any.
+    /// Point `page` at a new, prepared frame: the frame it replaces is
+    /// invalidated, then the new one made visible, then the entry swapped,
+    /// all under the index's lock. Returns the replaced frame, if any (the
+    /// caller drops the index's reference on it).
     #[doc(hidden)]
     fn replace(
         &self,
@@ -132,7 +164,7 @@ pub trait Index: Send + Sync + 'static {
     ) -> Result<Option<u32>, Inserted>;
 
     /// Unlink `page` if it maps to `frame` at `generation` and the frame
-    /// can be frozen.
+    /// can be frozen; the frame is invalidated before the entry goes.
     #[doc(hidden)]
     fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed;
 
@@ -173,11 +205,15 @@ impl Index for Lockless {
         self.0.get(frames, page, retries)
     }
 
-    fn insert(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
-        match self
-            .0
-            .insert(frames, page, crate::layout::val_of(frame, generation))
-        {
+    fn insert(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Inserted {
+        match self.0.insert(frames, page, frame, generation, link) {
             RawInsert::Inserted => Inserted::Yes,
             RawInsert::Exists(_) => Inserted::AlreadyPresent,
             RawInsert::Full => Inserted::NoRoom,
@@ -191,13 +227,14 @@ impl Index for Lockless {
         frames: &FrameTable,
         first: u64,
         run: &[(u32, u64)],
+        link: Link,
         done: &mut dyn FnMut(usize, Inserted),
     ) {
         for i in 0..run.len() {
             RawIndex::prefetch(frames, first + i as u64);
         }
         for (i, &(f, g)) in run.iter().enumerate() {
-            done(i, self.insert(frames, first + i as u64, f, g));
+            done(i, self.insert(frames, first + i as u64, f, g, link));
         }
     }
 
@@ -209,7 +246,7 @@ impl Index for Lockless {
         generation: u64,
     ) -> Result<Option<u32>, Inserted> {
         self.0
-            .replace(frames, page, crate::layout::val_of(frame, generation))
+            .replace(frames, page, frame, generation)
             .map(|old| old.map(crate::layout::val_frame))
             .map_err(|()| Inserted::NoRoom)
     }
@@ -226,15 +263,7 @@ impl Index for Lockless {
     }
 
     fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)> {
-        let val = self.0.peek(frames, page)?;
-        let f = crate::layout::val_frame(val);
-        Some((
-            f,
-            frames
-                .header(f)
-                .generation
-                .load(crate::sync::Ordering::Relaxed),
-        ))
+        self.0.peek(frames, page)
     }
 }
 
@@ -258,10 +287,18 @@ fn map_get(map: &Map, frames: &Frames, page: u64) -> Option<u32> {
     Some(f)
 }
 
-fn map_insert(map: &mut Map, page: u64, frame: u32, generation: u64) -> Inserted {
+fn map_insert(
+    map: &mut Map,
+    frames: &Frames,
+    page: u64,
+    frame: u32,
+    generation: u64,
+    link: Link,
+) -> Inserted {
     match map.entry(page) {
         std::collections::hash_map::Entry::Occupied(_) => Inserted::AlreadyPresent,
         std::collections::hash_map::Entry::Vacant(v) => {
+            link.apply(frames, frame, generation);
             v.insert((frame, generation));
             Inserted::Yes
         }
@@ -274,11 +311,28 @@ fn map_remove(map: &mut Map, frames: &Frames, page: u64, frame: u32, generation:
             if frames.freeze(f) == Freeze::Busy {
                 return Removed::Busy;
             }
+            frames.invalidate(f);
             map.remove(&page);
             Removed::Yes
         }
         _ => Removed::Absent,
     }
+}
+
+/// Copy-on-write swap in a locked map: invalidate the old frame, make the
+/// new one visible, then swap the entry.
+fn map_replace(
+    map: &mut Map,
+    frames: &Frames,
+    page: u64,
+    frame: u32,
+    generation: u64,
+) -> Option<u32> {
+    if let Some(&(old, _)) = map.get(&page) {
+        frames.invalidate(old);
+    }
+    frames.make_visible(frame, generation, 1);
+    map.insert(page, (frame, generation)).map(|(f, _)| f)
 }
 
 fn map_with_capacity(frames: &Frames) -> Map {
@@ -315,33 +369,48 @@ impl Index for RwLocked {
         map_get(&read(&self.0), frames, page)
     }
 
-    fn insert(&self, _: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
-        map_insert(&mut write(&self.0), page, frame, generation)
+    fn insert(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Inserted {
+        map_insert(&mut write(&self.0), frames, page, frame, generation, link)
     }
 
     fn insert_run(
         &self,
-        _: &FrameTable,
+        frames: &FrameTable,
         first: u64,
         run: &[(u32, u64)],
+        link: Link,
         done: &mut dyn FnMut(usize, Inserted),
     ) {
         let mut map = write(&self.0);
         for (i, &(f, g)) in run.iter().enumerate() {
-            done(i, map_insert(&mut map, first + i as u64, f, g));
+            done(
+                i,
+                map_insert(&mut map, frames, first + i as u64, f, g, link),
+            );
         }
     }
 
     fn replace(
         &self,
-        _: &FrameTable,
+        frames: &FrameTable,
         page: u64,
         frame: u32,
         generation: u64,
     ) -> Result<Option<u32>, Inserted> {
-        Ok(write(&self.0)
-            .insert(page, (frame, generation))
-            .map(|(f, _)| f))
+        Ok(map_replace(
+            &mut write(&self.0),
+            frames,
+            page,
+            frame,
+            generation,
+        ))
     }
 
     fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
@@ -371,33 +440,55 @@ impl Index for Mutexed {
         map_get(&crate::sync::lock(&self.0), frames, page)
     }
 
-    fn insert(&self, _: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
-        map_insert(&mut crate::sync::lock(&self.0), page, frame, generation)
+    fn insert(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Inserted {
+        map_insert(
+            &mut crate::sync::lock(&self.0),
+            frames,
+            page,
+            frame,
+            generation,
+            link,
+        )
     }
 
     fn insert_run(
         &self,
-        _: &FrameTable,
+        frames: &FrameTable,
         first: u64,
         run: &[(u32, u64)],
+        link: Link,
         done: &mut dyn FnMut(usize, Inserted),
     ) {
         let mut map = crate::sync::lock(&self.0);
         for (i, &(f, g)) in run.iter().enumerate() {
-            done(i, map_insert(&mut map, first + i as u64, f, g));
+            done(
+                i,
+                map_insert(&mut map, frames, first + i as u64, f, g, link),
+            );
         }
     }
 
     fn replace(
         &self,
-        _: &FrameTable,
+        frames: &FrameTable,
         page: u64,
         frame: u32,
         generation: u64,
     ) -> Result<Option<u32>, Inserted> {
-        Ok(crate::sync::lock(&self.0)
-            .insert(page, (frame, generation))
-            .map(|(f, _)| f))
+        Ok(map_replace(
+            &mut crate::sync::lock(&self.0),
+            frames,
+            page,
+            frame,
+            generation,
+        ))
     }
 
     fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
@@ -452,20 +543,38 @@ impl Index for Sharded {
         map_get(&read(self.shard(page)), frames, page)
     }
 
-    fn insert(&self, _: &FrameTable, page: u64, frame: u32, generation: u64) -> Inserted {
-        map_insert(&mut write(self.shard(page)), page, frame, generation)
+    fn insert(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Inserted {
+        map_insert(
+            &mut write(self.shard(page)),
+            frames,
+            page,
+            frame,
+            generation,
+            link,
+        )
     }
 
     fn replace(
         &self,
-        _: &FrameTable,
+        frames: &FrameTable,
         page: u64,
         frame: u32,
         generation: u64,
     ) -> Result<Option<u32>, Inserted> {
-        Ok(write(self.shard(page))
-            .insert(page, (frame, generation))
-            .map(|(f, _)| f))
+        Ok(map_replace(
+            &mut write(self.shard(page)),
+            frames,
+            page,
+            frame,
+            generation,
+        ))
     }
 
     fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
@@ -526,14 +635,15 @@ impl<I: Index> Standalone<I> {
 
     /// Insert one entry `page → frame` (generation 1).
     pub fn insert(&self, page: u64, frame: u32) -> Inserted {
-        self.index.insert(&self.frames, page, frame, 1)
+        self.index
+            .insert(&self.frames, page, frame, 1, Link::EntryOnly)
     }
 
     /// Gang-insert `page + i → frames[i]`; returns how many went in.
     pub fn insert_run(&self, first: u64, run: &[(u32, u64)]) -> usize {
         let mut n = 0;
         self.index
-            .insert_run(&self.frames, first, run, &mut |_, r| {
+            .insert_run(&self.frames, first, run, Link::EntryOnly, &mut |_, r| {
                 n += usize::from(r == Inserted::Yes)
             });
         n

@@ -1,4 +1,4 @@
-//! The wire layout of a node's registered memory, version 1.
+//! The wire layout of a node's registered memory, version 2.
 //!
 //! Everything a remote reader needs to make sense of raw bytes copied out of a
 //! node by a one-sided READ lives here: offsets, encodings, the bucket hash and
@@ -20,7 +20,7 @@
 //! (u32), 12 page size (u32), 16 bucket count, 24 overflow count, 32 frame
 //! count, 40 node epoch, 48 pages in the file, 56 file length in bytes,
 //! 64 index offset, 72 overflow offset, 80 headers offset, 88 arena offset,
-//! 96 region length (all u64).
+//! 96 region length (all u64), 104 index kind (u32, [`IndexCode`]).
 //!
 //! Bucket: 0 `ctrl` (u64: bit 0 writer lock, bits 1..32 change counter, bits
 //! 32..64 next overflow bucket + 1, 0 for none); then [`SLOTS_PER_BUCKET`]
@@ -36,16 +36,19 @@
 //! overflow chain hanging from it: with `n = bucket_count >= 16`, bucket
 //! `fib(p / 8, n / 8) * 8 + p % 8`, where
 //! `fib(x, m) = (x * 0x9E3779B97F4A7C15) >> (64 - log2 m)` (wrapping
-//! multiply); with fewer buckets, `fib(p, n)`. A frame's generation is its incarnation:
-//! it grows by one each time the frame is published again, so `(page,
-//! generation)` names one immutable content. The checksum is xxh3-64 over
-//! the 24-byte header prefix (page, generation, length; length as u64) followed
-//! by the whole frame (`page_size` bytes, zero past the valid length).
+//! multiply); with fewer buckets, `fib(p, n)`. A frame's generation is odd
+//! exactly while the frame is published (in the index) and even otherwise;
+//! it grows by one when the frame is made visible and by one when it is
+//! invalidated, so `(frame, generation)` names one immutable content (not
+//! `(page, generation)`: another frame may hold the same page at the same
+//! number). The checksum is xxh3-64, seed 0, over the 24-byte header prefix
+//! (page, generation, length; each a little-endian u64) followed by the
+//! whole frame (`page_size` bytes, zero past the valid length).
 
 /// Magic number at offset 0 of the superblock: the bytes `PAGEWIRE`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"PAGEWIRE");
 /// The layout version this crate writes and reads.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Size of the superblock area at the start of the region.
 pub const SUPERBLOCK_SIZE: usize = 4096;
 /// Size of a bucket, a frame header and the alignment of both.
@@ -73,6 +76,141 @@ pub mod sb {
     pub const HEADERS_OFFSET: usize = 80;
     pub const ARENA_OFFSET: usize = 88;
     pub const REGION_LEN: usize = 96;
+    /// u32: which index the node runs ([`super::IndexCode`]); only
+    /// [`super::IndexCode::Lockless`] keeps the region's bucket index.
+    pub const INDEX_KIND: usize = 104;
+}
+
+/// The index a node runs, as the superblock records it (offset 104, u32).
+/// The lock-based variants keep their map on the heap and leave the
+/// region's buckets empty: a remote reader of such a node finds every page
+/// absent and must fall back to the owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum IndexCode {
+    Lockless = 0,
+    RwLock = 1,
+    Mutex = 2,
+    Sharded = 3,
+}
+
+impl IndexCode {
+    /// Decode the superblock's word; unknown values are `None`.
+    pub const fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::Lockless),
+            1 => Some(Self::RwLock),
+            2 => Some(Self::Mutex),
+            3 => Some(Self::Sharded),
+            _ => None,
+        }
+    }
+}
+
+/// A superblock decoded from raw bytes and checked against the layout its
+/// counts imply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub layout: RegionLayout,
+    /// The node's incarnation: every descriptor of the region carries it.
+    pub epoch: u64,
+    pub file_pages: u64,
+    pub file_len: u64,
+    pub index: IndexCode,
+}
+
+/// Why bytes are not a superblock this crate can read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SuperblockError {
+    #[error("superblock needs {SUPERBLOCK_HEAD} bytes, got {0}")]
+    Short(usize),
+    #[error("bad magic {0:#018x}: not a pagewire region")]
+    Magic(u64),
+    #[error("layout version {0}, this reader understands {LAYOUT_VERSION}")]
+    Version(u32),
+    #[error("page size {0} is not a power of two between 512 and 1 MiB")]
+    PageSize(u32),
+    #[error("frame count {0} out of range")]
+    Frames(u64),
+    #[error("field {field} is {got}, the layout of these counts needs {want}")]
+    Mismatch {
+        field: &'static str,
+        got: u64,
+        want: u64,
+    },
+    #[error("unknown index kind {0}")]
+    Index(u32),
+    #[error("the file has {pages} pages but {len} bytes")]
+    FileSize { pages: u64, len: u64 },
+}
+
+/// Bytes of the superblock that carry fields (the rest of its page is zero).
+pub const SUPERBLOCK_HEAD: usize = 108;
+
+impl Superblock {
+    /// Decode and check a superblock: the counts must describe exactly the
+    /// offsets and length recorded beside them (so a reader that trusts the
+    /// decoded layout never computes an address outside the region).
+    pub fn decode(bytes: &[u8]) -> Result<Self, SuperblockError> {
+        if bytes.len() < SUPERBLOCK_HEAD {
+            return Err(SuperblockError::Short(bytes.len()));
+        }
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        if u64_at(sb::MAGIC) != MAGIC {
+            return Err(SuperblockError::Magic(u64_at(sb::MAGIC)));
+        }
+        if u32_at(sb::VERSION) != LAYOUT_VERSION {
+            return Err(SuperblockError::Version(u32_at(sb::VERSION)));
+        }
+        let ps = u32_at(sb::PAGE_SIZE);
+        if !ps.is_power_of_two() || !(512..=1 << 20).contains(&ps) {
+            return Err(SuperblockError::PageSize(ps));
+        }
+        let frames = u64_at(sb::FRAME_COUNT);
+        if frames == 0 || frames >= u64::from(u32::MAX) || frames > (1 << 40) / u64::from(ps) {
+            return Err(SuperblockError::Frames(frames));
+        }
+        let layout = RegionLayout::new(ps as usize, frames as usize);
+        for (field, off, want) in [
+            ("bucket count", sb::BUCKET_COUNT, layout.bucket_count),
+            ("overflow count", sb::OVERFLOW_COUNT, layout.overflow_count),
+            ("index offset", sb::INDEX_OFFSET, layout.index_offset),
+            (
+                "overflow offset",
+                sb::OVERFLOW_OFFSET,
+                layout.overflow_offset,
+            ),
+            ("headers offset", sb::HEADERS_OFFSET, layout.headers_offset),
+            ("arena offset", sb::ARENA_OFFSET, layout.arena_offset),
+            ("region length", sb::REGION_LEN, layout.len),
+        ] {
+            if u64_at(off) != want as u64 {
+                return Err(SuperblockError::Mismatch {
+                    field,
+                    got: u64_at(off),
+                    want: want as u64,
+                });
+            }
+        }
+        let index = IndexCode::from_u32(u32_at(sb::INDEX_KIND))
+            .ok_or(SuperblockError::Index(u32_at(sb::INDEX_KIND)))?;
+        let (file_pages, file_len) = (u64_at(sb::FILE_PAGES), u64_at(sb::FILE_LEN));
+        if file_len.div_ceil(u64::from(ps)) != file_pages {
+            return Err(SuperblockError::FileSize {
+                pages: file_pages,
+                len: file_len,
+            });
+        }
+        Ok(Self {
+            layout,
+            epoch: u64_at(sb::NODE_EPOCH),
+            file_pages,
+            file_len,
+            index,
+        })
+    }
 }
 
 /// Frame header field offsets.
@@ -334,13 +472,27 @@ impl RawHeader {
         })
     }
 
-    /// Does this header, with these frame bytes, prove the frame holds
-    /// `page` at `generation`? This is the remote reader's whole validation.
-    pub fn validates(&self, page: u64, generation: u64, frame: &[u8]) -> bool {
-        self.state == FrameState::Published as u32
+    /// Does this header, with these frame bytes, prove that the bytes were
+    /// the content of `page` at some instant while they were being copied?
+    /// This is the remote reader's whole validation, sound for a copy whose
+    /// words were read in any order at any times (the argument is in
+    /// `node/src/raw/frames.rs` and ARCHITECTURE.md): the generation is odd
+    /// (published), the state is `Published`, the page matches, and the
+    /// checksum over (page, generation, len, bytes) matches.
+    ///
+    /// `frame` must be the whole frame (`page_size` bytes). The generation
+    /// accepted is `self.generation`; callers that looked the page up in a
+    /// bucket may also compare its low 32 bits with the slot's, as a hint.
+    pub fn validate(&self, page: u64, frame: &[u8]) -> bool {
+        self.generation % 2 == 1
+            && self.state == FrameState::Published as u32
             && self.page == page
-            && self.generation == generation
             && self.checksum == checksum(self.page, self.generation, self.len, frame)
+    }
+
+    /// [`RawHeader::validate`], and the generation is exactly `generation`.
+    pub fn validates(&self, page: u64, generation: u64, frame: &[u8]) -> bool {
+        self.generation == generation && self.validate(page, frame)
     }
 }
 
@@ -411,6 +563,13 @@ mod tests {
             state: 2,
         };
         assert!(good.validates(3, 9, &frame));
+        // An even generation is never published, whatever the checksum says.
+        let even = RawHeader {
+            generation: 10,
+            checksum: checksum(3, 10, 64, &frame),
+            ..good
+        };
+        assert!(!even.validate(3, &frame));
         assert!(!good.validates(4, 9, &frame));
         assert!(!good.validates(3, 8, &frame));
         assert!(!RawHeader { state: 3, ..good }.validates(3, 9, &frame));

@@ -1,4 +1,6 @@
-//! loom models of the three races the lockless cache must survive. They run
+//! loom models of the races the lockless cache must survive, for local
+//! readers (which take references) and remote readers (which copy words in
+//! any order and validate). They run
 //! the shipping code of [`crate::core`] and [`crate::raw`] (loom atomics and
 //! `UnsafeCell`s come in through [`crate::sync`]), so loom checks both the
 //! protocol's outcomes and that no frame byte is read while it is written.
@@ -190,4 +192,126 @@ fn overflow_unlink_vs_reader() {
             c.frames.put(f);
         }
     });
+}
+
+/// What a remote reader copied: the header words and the frame words, each
+/// loaded once, in the order `order` names (`H` = one header word, `B` = one
+/// frame word), as a NIC may copy them.
+fn remote_copy(c: &Core<Lockless>, f: u32, order: &[Word]) -> (crate::layout::RawHeader, Vec<u8>) {
+    use crate::sync::Ordering::Relaxed;
+    let h = c.frames.header(f);
+    let mut hdr = crate::layout::RawHeader {
+        page: 0,
+        generation: 0,
+        checksum: 0,
+        len: 0,
+        state: 0,
+    };
+    let mut bytes = vec![0u8; PS];
+    let mut word = vec![0u8; PS];
+    for w in order {
+        match w {
+            Word::Page => hdr.page = h.page.load(Relaxed),
+            Word::Generation => hdr.generation = h.generation.load(Relaxed),
+            Word::Checksum => hdr.checksum = h.checksum.load(Relaxed),
+            Word::LenState => {
+                hdr.len = h.len.load(Relaxed);
+                hdr.state = h.state.load(Relaxed);
+            }
+            Word::Byte(i) => {
+                // One atomic copy of the whole frame, keeping only word i: the
+                // loom arena is atomic words, so this is one load per word.
+                c.frames.region().copy_frame(f, &mut word);
+                bytes[i * 8..i * 8 + 8].copy_from_slice(&word[i * 8..i * 8 + 8]);
+            }
+        }
+    }
+    (hdr, bytes)
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Word {
+    Page,
+    Generation,
+    Checksum,
+    LenState,
+    Byte(usize),
+}
+
+/// Word orders for the remote reader: header first, bytes first, and the
+/// generation last (the order that defeats a validation that ignores it).
+fn orders() -> Vec<Vec<Word>> {
+    use Word::*;
+    vec![
+        vec![Generation, Page, Checksum, LenState, Byte(0), Byte(1)],
+        vec![Byte(0), Byte(1), Checksum, Page, LenState, Generation],
+        vec![Byte(1), Checksum, Generation, Byte(0), LenState, Page],
+    ]
+}
+
+/// A remote reader holding a stale location of page 1 (frame 0) copies it,
+/// word by word in a chosen order, while the owner writes page 1
+/// (copy-on-write into frame 1) and acknowledges the write. A copy that
+/// validates holds page 1's old or new bytes, whole, and never the old ones
+/// if the acknowledgement came before the copy began.
+#[test]
+fn remote_copy_vs_cow() {
+    for order in orders() {
+        builder().check(move || {
+            let c = Arc::new(core(2));
+            let f = insert(&c, 1, 0x11).unwrap();
+            c.frames.put(f);
+            let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+            let writer = {
+                let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
+                thread::spawn(move || {
+                    let n = c.frames.alloc().expect("second frame");
+                    // SAFETY: `alloc` gave us the frame exclusively.
+                    unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
+                    c.publish_cow(1, n, PS as u32).unwrap();
+                    // The acknowledgement (a reply on a socket in the daemon).
+                    acked.store(true, crate::sync::Ordering::Release);
+                })
+            };
+            let after_ack = acked.load(crate::sync::Ordering::Acquire);
+            let (hdr, bytes) = remote_copy(&c, f, &order);
+            if hdr.validate(1, &bytes) {
+                assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
+                assert!(!after_ack, "old bytes accepted after the write's ack");
+            }
+            writer.join().unwrap();
+        });
+    }
+}
+
+/// A remote reader copies frame 0, which held page 1, while the owner evicts
+/// page 1 and refills the same frame with page 2. A copy that validates as
+/// page 1 holds page 1's bytes, whole; page 2's bytes never validate as
+/// page 1, and a mix of the two never validates at all.
+#[test]
+fn remote_copy_vs_evict_and_refill() {
+    for order in orders() {
+        builder().check(move || {
+            let c = Arc::new(core(1));
+            let f = insert(&c, 1, 0x11).unwrap();
+            c.frames.put(f);
+            let generation = c.index.peek(&c.frames, 1).unwrap().1;
+            let owner = {
+                let c = Arc::clone(&c);
+                thread::spawn(move || {
+                    assert_eq!(c.remove_frame(1, f, generation), Sweep::Evicted);
+                    let g = insert(&c, 2, 0x22).unwrap();
+                    c.frames.put(g);
+                })
+            };
+            let (hdr, bytes) = remote_copy(&c, f, &order);
+            if hdr.validate(1, &bytes) {
+                assert!(bytes.iter().all(|&b| b == 0x11), "wrong bytes {bytes:?}");
+            }
+            if hdr.validate(2, &bytes) {
+                assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
+            }
+            owner.join().unwrap();
+        });
+    }
 }

@@ -1,74 +1,145 @@
 //! The frame table: headers, the free list, and the reference-count protocol
-//! that makes frame reuse safe for lockless readers.
+//! that makes frame reuse safe for lockless readers, local and remote.
 //!
-//! This is Nick Piggin's lockless pagecache protocol (2.6.2x
+//! Local readers follow Nick Piggin's lockless pagecache protocol (2.6.2x
 //! `page_cache_get_speculative` and `page_freeze_refs`) applied to frames.
+//! Remote readers take no reference at all: they copy a header and a frame
+//! with one-sided READs, word by word in any order, at any time, and accept
+//! the copy only if it validates (the generation's parity and the checksum,
+//! below). The protocol is built so that such a copy can validate only if
+//! its bytes were the page's content at some instant while it was being read.
 //!
 //! # State
 //!
-//! Per frame, in its [`Header`]: `state` ([`FrameState`]), `refcount` (u32),
-//! `page`, `generation`, `len`, `checksum`, and the CLOCK bit in `flags`.
-//! The refcount counts the index's own reference (1 while the frame is in the
-//! index) plus one per reader holding it. 0 means "not gettable": free,
-//! filling, or frozen by an evictor.
+//! Per frame, in its [`Header`]: `generation` (u64), `page`, `len`,
+//! `checksum`, `state` ([`FrameState`], local bookkeeping), `refcount` (u32)
+//! and the CLOCK bit in `flags`.
+//!
+//! * `generation` is **odd exactly while the frame is published** (visible
+//!   through the index) and even otherwise (free, filling, retired). It
+//!   only grows: +1 when the frame is made visible, +1 when it is
+//!   invalidated. So the published incarnations of one frame have the
+//!   distinct odd generations 1, 3, 5, … and a generation value is never
+//!   seen twice. A zero-filled region has every frame at generation 0: free.
+//! * The refcount counts the index's own reference (1 while the frame is in
+//!   the index) plus one per local reader holding it. 0 means "not
+//!   gettable": free, filling, or frozen by an evictor.
 //!
 //! # Fields
 //!
-//! * `page`, `generation`, `len`, `checksum` and the frame bytes are written
-//!   only by the thread that owns the frame in state `Filling` (it popped it
-//!   off the free list; refcount is 0, so no reader can take it).
-//! * `state` moves `Free → Filling` (owner), `Filling → Published` (owner,
-//!   before it inserts the frame into the index), `Published → Retired`
-//!   (the thread that unlinked it from the index under the bucket lock), and
-//!   back to `Free` by whoever drops the refcount to 0.
+//! * `page`, `len`, `checksum` and the frame bytes are written only by the
+//!   thread that owns the frame in state `Filling` (it popped it off the
+//!   free list; refcount 0, generation even, so no reader can accept it).
+//!   The bytes are written by the kernel (`preadv` into the frame) or with
+//!   word-sized atomic stores ([`super::region::Region::fill`]), never with
+//!   plain stores, because a transport responder in this process may be
+//!   copying the same frame with atomic loads at any time.
+//! * `generation` is written by the owner of the frame (`prepare` computes
+//!   the next odd value but does not store it) and, under the lock of the
+//!   index chain that links the frame, by `make_visible` (even → odd) and
+//!   `invalidate` (odd → even).
+//! * `checksum` = xxh3-64 of (page, generation, len as u64, all `page_size`
+//!   bytes) for the generation the frame will have once visible.
 //! * `refcount` is touched by anyone, with the transitions below.
 //! * `flags` (CLOCK referenced bit): readers set it, the evictor clears it;
 //!   advisory only.
 //!
 //! # Transitions
 //!
-//! 1. `alloc`: pop from the free list; state `Filling`; refcount stays 0.
-//! 2. `publish`: fill header fields; generation += 1; state `Published`;
-//!    then refcount 0 → 1 with a Release store. Only then is the frame put
-//!    in the index.
-//! 3. `try_get` (get unless zero): CAS refcount n → n + 1 for n > 0. A
-//!    reader that got the frame must still recheck that the index maps its
-//!    page to this frame at this generation (the frame may have been freed
-//!    and reused between the reader's index load and its CAS).
-//! 4. `put`: refcount − 1; whoever takes it to 0 frees the frame (transition
-//!    6). While the frame is indexed the index's reference keeps it above 0,
-//!    so only a retired frame can be freed by `put`.
-//! 5. `freeze` (evict): under the bucket lock, CAS refcount 1 → 0. Fails if
-//!    any reader holds the frame (the evictor skips it). On success the
-//!    evictor removes the index entry and frees the frame (transition 6).
-//! 6. free: state `Free`, push on the free list.
-//! 7. `retire` (copy-on-write replaced it, or a lost insert race): state
-//!    `Retired`, then `put` the index's reference (transition 4).
+//! 1. `alloc`: pop from the free list; state `Filling`; refcount stays 0;
+//!    generation stays even.
+//! 2. `prepare` (no lock): with the bytes in place, compute the next
+//!    generation `g` (odd) and the checksum for it; store `page`, `len`,
+//!    `checksum`. Nothing a reader accepts has changed: the generation word
+//!    is still even.
+//! 3. `make_visible` (under the chain lock, only once the index will link
+//!    the frame): generation := `g` (Release), state `Published`, refcount
+//!    := 1 or 2 (Release). The index links the frame right after, in the same
+//!    critical section. An insert that loses (page already present, no
+//!    room) never makes its frame visible: the frame goes back as `Filling`.
+//! 4. `try_get` (get unless zero): CAS refcount n → n + 1 for n > 0. A
+//!    local reader that got the frame must still recheck that the index maps
+//!    its page to this frame at this generation.
+//! 5. `put`: refcount − 1; whoever takes it to 0 frees the frame (transition
+//!    8). While the frame is indexed the index's reference keeps it above 0,
+//!    so only an invalidated frame can be freed by `put`.
+//! 6. `freeze` (evict): under the chain lock, CAS refcount 1 → 0. Fails if
+//!    any reader holds the frame (the evictor skips it).
+//! 7. `invalidate` (under the chain lock, before the slot that names the
+//!    frame is cleared or swapped): generation := `g + 1` (even, Release),
+//!    state `Retired`. Copy-on-write invalidates the old copy *before* it
+//!    makes the new one visible, in one critical section, so **at most one
+//!    frame of a page is published at any instant**.
+//! 8. free: state `Free`, push on the free list (after `freeze` and
+//!    `invalidate` for an eviction; by the last `put` for a retired copy).
 //!
 //! # Ordering
 //!
-//! * The Release store of refcount = 1 in `publish` pairs with the Acquire
-//!   CAS in `try_get`: a reader that got the frame sees its header and bytes.
+//! * The Release store of the refcount in `make_visible` pairs with the
+//!   Acquire CAS in `try_get`: a local reader that got the frame sees its
+//!   header and bytes.
+//! * `make_visible`'s Release store of the generation orders every earlier
+//!   store of the writer before it: the frame's bytes, page, len, checksum,
+//!   and the `invalidate` of the page's previous copy. A remote reader needs
+//!   no ordering for safety (the checksum decides), only for progress.
+//! * `invalidate` is a Release store made under the chain lock before the
+//!   slot changes; the write path issues a SeqCst fence after it and before
+//!   the acknowledgement leaves the node, so a read that starts after the
+//!   acknowledgement sees the even generation (or a later one).
 //! * `put` is a Release decrement; `freeze` is an Acquire CAS and the final
-//!   `put` is AcqRel: the freeing thread sees every reader's accesses of the
-//!   bytes happen before its own reuse of the frame.
-//! * The free list (a lock-free queue) hands a frame from the freeing thread
-//!   to the next `alloc` with its own Release/Acquire.
+//!   `put` is followed by an Acquire fence: the freeing thread sees every
+//!   reader's accesses of the bytes happen before its own reuse.
+//! * The free list hands a frame from the freeing thread to the next
+//!   `alloc` with its own Release/Acquire.
+//!
+//! # Why a remote copy that validates is sound
+//!
+//! A remote reader copies the header and the frame with separate READs,
+//! each aligned 8-byte word atomically but the words in any order and at
+//! any times `≥ t0` (the start of its read). It accepts iff the generation
+//! word it got, `G`, is odd, `page` = the page it wants, `state` =
+//! `Published`, and `checksum` = xxh3(page, G, len, bytes it got).
+//!
+//! 1. The generation word held `G` at the instant `tG ≥ t0` it was read.
+//!    Generations only grow and each odd value is held exactly while one
+//!    incarnation is visible, so at `tG` the incarnation `G` was published.
+//! 2. Every checksum ever stored in this header is the checksum of its own
+//!    (page, generation, len, bytes), with a distinct generation each time.
+//!    A checksum word equal to xxh3(p, G, len', B) for the bytes `B` the
+//!    reader got therefore came from incarnation `G` itself (anything else
+//!    is a 64-bit hash collision), so `B` = that incarnation's bytes and
+//!    `p` its page, whatever order the words were copied in and whatever
+//!    was overwritten between them.
+//! 3. At most one frame of page `p` is published at any instant
+//!    (transition 7), so at `tG` the bytes `B` were *the* content of page
+//!    `p`. A write acknowledged before `t0` had invalidated every older copy
+//!    before its acknowledgement, so `B` is never older than it.
+//!
+//! A reader that finds an even generation, another page, or a checksum
+//! mismatch retries (after re-reading the bucket) or falls back to the
+//! owner; it never needs the slot's 32-bit generation for safety (that is a
+//! hint to skip frames that were reused, see [`crate::layout`]).
 //!
 //! # Critical interleavings
 //!
-//! * Reader loads `page → frame f` from the index; evictor freezes f, frees
-//!   it; an inserter reuses f for page q and publishes it (refcount 1). The
-//!   reader's `try_get` now succeeds, but its recheck sees `header.page = q`
-//!   (or a new generation, or the index slot changed): it `put`s and retries.
-//!   The reader never returns q's bytes as p's.
+//! * Reader loads `page → frame f` from the index; evictor freezes f,
+//!   invalidates it, frees it; an inserter reuses f for page q and makes it
+//!   visible. A local reader's `try_get` succeeds, but its recheck sees
+//!   `header.page = q` (or a new generation, or the slot changed): it `put`s
+//!   and retries. A remote reader sees a new generation or page q, or, if it
+//!   copied words of several incarnations, a checksum mismatch.
 //! * Reader's `try_get` races the evictor's `freeze`: both are RMWs on one
-//!   word, so exactly one wins: either the reader holds the frame (freeze
-//!   fails, eviction skips it) or the refcount is 0 (the reader retries).
-//! * A copy-on-write swaps the index slot to the new frame, then retires the
-//!   old one. A reader that got the old frame before the swap holds bytes
-//!   that were current when it looked (it linearises before the write); one
-//!   that gets it after fails its recheck of the slot and retries.
+//!   word, so exactly one wins: the reader holds the frame (freeze fails) or
+//!   the refcount is 0 (the reader retries).
+//! * A copy-on-write invalidates the old frame, makes the new one visible
+//!   and swaps the slot, under the chain lock. A local reader that got the
+//!   old frame before holds bytes that were current when it rechecked (it
+//!   linearises before the write); one that rechecks after sees the even
+//!   generation and retries until the swap is visible.
+//! * A remote reader copies the old frame's header before the invalidation
+//!   and its bytes after the frame was freed and refilled: its generation
+//!   word is the old odd value, its checksum word the old or the new one,
+//!   and its bytes new ones: the checksum does not match (step 2).
 
 use super::Header;
 use super::region::Region;
@@ -88,7 +159,9 @@ pub(crate) enum Freeze {
     Busy,
 }
 
-/// A lock-free stack of free indices (frames or overflow buckets).
+/// A lock-free FIFO queue of free indices (frames or overflow buckets).
+/// It is sized for every index it can ever hold, so a push can fail only if
+/// an index is pushed twice: that is a broken invariant, and it panics.
 pub(crate) struct FreeList {
     #[cfg(not(loom))]
     q: crossbeam_queue::ArrayQueue<u32>,
@@ -98,6 +171,7 @@ pub(crate) struct FreeList {
 
 impl FreeList {
     pub(crate) fn full(n: usize) -> Self {
+        assert!(n <= u32::MAX as usize, "{n} indices do not fit in u32");
         #[cfg(not(loom))]
         {
             let q = crossbeam_queue::ArrayQueue::new(n.max(1));
@@ -123,9 +197,10 @@ impl FreeList {
         #[cfg(not(loom))]
         {
             // The list was sized for every index, and an index is pushed only
-            // when it is not on the list: the push cannot fail.
-            let pushed = self.q.push(i);
-            debug_assert!(pushed.is_ok(), "free list overflow");
+            // when it is not on the list: a failed push is a double free.
+            if self.q.push(i).is_err() {
+                panic!("free list overflow: index {i} pushed twice");
+            }
         }
         #[cfg(loom)]
         crate::sync::lock(&self.q).push(i);
@@ -189,33 +264,61 @@ impl Frames {
         self.release(f);
     }
 
-    /// Transition 2: stamp the header of a filled frame and make it gettable.
-    /// Returns the frame's new generation. The caller then inserts it into
-    /// the index (or retires it if it loses the insert).
-    pub(crate) fn publish(&self, f: u32, page: u64, len: u32) -> u64 {
+    /// Transition 2: stamp the header of a filled frame for the generation
+    /// it will have once visible, and return that generation. The frame
+    /// stays invisible (`Filling`, generation even) until
+    /// [`Frames::make_visible`].
+    pub(crate) fn prepare(&self, f: u32, page: u64, len: u32) -> u64 {
         let h = self.header(f);
-        let generation = h.generation.load(Ordering::Relaxed).wrapping_add(1);
+        let now = h.generation.load(Ordering::Relaxed);
+        debug_assert!(now.is_multiple_of(2), "preparing a visible frame {f}");
+        let generation = now.wrapping_add(1);
         // SAFETY: the caller filled frame `f` and still owns it (`Filling`,
-        // refcount 0); reading its bytes cannot race a writer.
+        // refcount 0): nothing writes its bytes during the checksum.
         let sum = unsafe {
             self.region.read(f, |bytes| {
                 crate::layout::checksum(page, generation, len, bytes)
             })
         };
         h.page.store(page, Ordering::Relaxed);
-        h.generation.store(generation, Ordering::Relaxed);
         h.len.store(len, Ordering::Relaxed);
         h.checksum.store(sum, Ordering::Relaxed);
+        generation
+    }
+
+    /// Transition 3: make a prepared frame visible as `generation` with
+    /// `refs` references (1: the index's; 2: the index's and the caller's).
+    /// Called under the lock of the chain that is about to link it.
+    pub(crate) fn make_visible(&self, f: u32, generation: u64, refs: u32) {
+        let h = self.header(f);
+        debug_assert_eq!(generation % 2, 1);
+        debug_assert_eq!(h.refcount.load(Ordering::Relaxed), 0);
         h.flags.store(FLAG_REFERENCED, Ordering::Relaxed);
+        // Release: the bytes, page, len and checksum stored before (and the
+        // invalidation of the page's previous copy) are visible to whoever
+        // sees this generation.
+        h.generation.store(generation, Ordering::Release);
         h.state
             .store(FrameState::Published as u32, Ordering::Relaxed);
         // Release: pairs with the Acquire CAS in `try_get`; a reader that gets
         // the frame sees the header and bytes written above.
-        h.refcount.store(1, Ordering::Release);
-        generation
+        h.refcount.store(refs, Ordering::Release);
     }
 
-    /// Transition 3: take a reference unless the refcount is zero.
+    /// Transition 7: the frame leaves the index (evicted, or replaced by a
+    /// copy-on-write). Called under the chain lock, before the slot that
+    /// names it changes. Remote readers fail validation from this store on.
+    pub(crate) fn invalidate(&self, f: u32) {
+        let h = self.header(f);
+        let g = h.generation.load(Ordering::Relaxed);
+        debug_assert!(g % 2 == 1, "invalidating an invisible frame {f}");
+        // Release: ordered after everything the frame's holder did before;
+        // the write path fences after it before acknowledging.
+        h.generation.store(g.wrapping_add(1), Ordering::Release);
+        h.state.store(FrameState::Retired as u32, Ordering::Relaxed);
+    }
+
+    /// Transition 4: take a reference unless the refcount is zero.
     #[must_use]
     #[inline]
     pub(crate) fn try_get(&self, f: u32) -> bool {
@@ -245,7 +348,7 @@ impl Frames {
         debug_assert!(prev > 0);
     }
 
-    /// Transition 4: drop a reference.
+    /// Transition 5: drop a reference.
     #[inline]
     pub(crate) fn put(&self, f: u32) {
         // Release: this reader's accesses to the frame happen before the
@@ -260,7 +363,7 @@ impl Frames {
         }
     }
 
-    /// Transition 5: freeze an indexed frame's refcount from 1 to 0. The
+    /// Transition 6: freeze an indexed frame's refcount from 1 to 0. The
     /// caller holds the lock of the bucket chain that indexes it.
     pub(crate) fn freeze(&self, f: u32) -> Freeze {
         // Acquire: pairs with readers' Release `put`s (see `put`).
@@ -274,17 +377,18 @@ impl Frames {
         }
     }
 
-    /// Transition 6 after a successful `freeze` and unlink.
+    /// Transition 8 after a successful `freeze`, `invalidate` and unlink.
     pub(crate) fn free_frozen(&self, f: u32) {
         self.release(f);
     }
 
-    /// Transition 7: the frame left the index (replaced or lost a race).
-    /// Remote readers fail validation from the state store on.
-    pub(crate) fn retire(&self, f: u32) {
-        self.header(f)
-            .state
-            .store(FrameState::Retired as u32, Ordering::Release);
+    /// Transition 5 for the index's own reference of an invalidated frame
+    /// (copy-on-write replaced it): its last local reader frees it.
+    pub(crate) fn drop_index_ref(&self, f: u32) {
+        debug_assert_eq!(
+            self.header(f).state.load(Ordering::Relaxed),
+            FrameState::Retired as u32
+        );
         self.put(f);
     }
 

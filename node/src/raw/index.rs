@@ -18,18 +18,32 @@
 //!   frame protocol of [`super::frames`] on what they find.
 //! * An overflow bucket is taken from the pool under the lock of the chain
 //!   that links it, and returned to the pool through crossbeam-epoch once it
-//!   is empty and unlinked, so no pinned reader still walks it when it is
-//!   reused for another chain.
+//!   is empty and unlinked: deferred *after* the unlock that makes the
+//!   unlink visible, so no pinned reader still walks it when it is reused
+//!   for another chain. An unlinked bucket keeps its own link, so a reader
+//!   inside it walks on to the rest of its old chain.
+//! * Pool bound: every linked overflow bucket holds at least one entry (one
+//!   left empty is unlinked), so at most `frames` are linked; the pool has
+//!   `ceil(frames / 3) + min(buckets, frames) + 64 ≥ frames + ceil(frames /
+//!   3) + 64` buckets. An insert that finds it empty releases its lock,
+//!   drives crossbeam-epoch's collection, and tries again; only if buckets
+//!   stay stuck in grace periods (a reader pinned for that long) does it
+//!   report `Full`, which the cache turns into a typed error.
 //!
 //! # Transitions (all under the head's lock)
 //!
-//! 1. Insert: store `val`, then `key` (Release) into an empty slot; if the
-//!    chain is full, fill a pool bucket and link it right after the head.
-//! 2. Replace (copy-on-write publish): store the new `val` (Release) in the
-//!    slot that holds the key.
-//! 3. Remove (evict): freeze the frame's refcount (1 → 0), then store
-//!    `key = 0` (Release). An overflow bucket left empty is unlinked
-//!    (Release store of its predecessor's link) and deferred to the pool.
+//! 1. Insert: find room (an empty slot, or a pool bucket to link right
+//!    after the head); only then make the frame visible
+//!    ([`super::frames`] transition 3), store `val`, then `key` (Release).
+//!    An insert that finds the page present or no room leaves its frame
+//!    invisible.
+//! 2. Replace (copy-on-write publish): invalidate the old frame, make the
+//!    new one visible, store the new `val` (Release) in the slot that holds
+//!    the key. At no instant are both frames visible.
+//! 3. Remove (evict): freeze the frame's refcount (1 → 0), invalidate the
+//!    frame, then store `key = 0` (Release). An overflow bucket left empty is
+//!    unlinked (Release store of its predecessor's link) and deferred to the
+//!    pool.
 //! 4. Unlock: store `ctrl` with the lock bit clear and the counter bumped
 //!    (Release), publishing any new link.
 //!
@@ -60,6 +74,7 @@
 
 use super::frames::{Frames, FreeList, Freeze};
 use super::{Bucket, Slot};
+use crate::index::Link;
 use crate::layout::{self, ctrl, key_of, val_frame, val_gen32};
 use crate::sync::Ordering;
 use std::sync::Arc;
@@ -289,16 +304,28 @@ impl RawIndex {
     }
 
     /// Put `key → val` into a free slot of the locked chain (transition 1).
-    fn place(&self, frames: &Frames, locked: &mut Locked<'_>, key: u64, val: u64) -> Insert {
+    /// `publish` runs once room is found, just before the entry becomes
+    /// reachable (it makes the frame visible); it does not run on `Full`.
+    fn place(
+        &self,
+        frames: &Frames,
+        locked: &mut Locked<'_>,
+        key: u64,
+        val: u64,
+        publish: impl FnOnce(),
+    ) -> Insert {
         if let Some(s) = Self::empty_slot_locked(frames, locked) {
+            publish();
             s.val.store(val, Ordering::Relaxed);
-            // Release: a reader that sees the key sees the val stored above.
+            // Release: a reader that sees the key sees the val stored above
+            // (and the frame made visible before it).
             s.key.store(key, Ordering::Release);
             return Insert::Inserted;
         }
         let Some(o) = self.pool.pop() else {
             return Insert::Full;
         };
+        publish();
         let b = Self::overflow(frames, o);
         for s in &b.slots[1..] {
             s.key.store(0, Ordering::Relaxed);
@@ -314,29 +341,85 @@ impl RawIndex {
         Insert::Inserted
     }
 
-    /// Insert `page → (frame, generation)` unless the page is present.
-    pub(crate) fn insert(&self, frames: &Frames, page: u64, val: u64) -> Insert {
+    /// Insert `page → (frame, generation)` unless the page is present; the
+    /// frame is made visible (`link`) under the lock only if it goes in.
+    pub(crate) fn insert(
+        &self,
+        frames: &Frames,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Insert {
+        for _ in 0..4 {
+            match self.insert_once(frames, page, frame, generation, link) {
+                Insert::Full => self.replenish(),
+                done => return done,
+            }
+        }
+        self.insert_once(frames, page, frame, generation, link)
+    }
+
+    fn insert_once(
+        &self,
+        frames: &Frames,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        link: Link,
+    ) -> Insert {
         let key = key_of(page);
         let mut locked = Self::lock(frames, page);
         if let Some(s) = Self::find_locked(frames, &locked, key) {
             return Insert::Exists(s.val.load(Ordering::Relaxed));
         }
-        self.place(frames, &mut locked, key, val)
+        let val = layout::val_of(frame, generation);
+        self.place(frames, &mut locked, key, val, || {
+            link.apply(frames, frame, generation)
+        })
     }
 
-    /// Swap the entry of `page` to `val` (transition 2), or insert it.
-    /// Returns the replaced slot value, if any.
-    pub(crate) fn replace(&self, frames: &Frames, page: u64, val: u64) -> Result<Option<u64>, ()> {
+    /// Point `page` at `(frame, generation)` (transition 2), or insert it:
+    /// under the lock, the old frame is invalidated, then the new one made
+    /// visible, then the slot swapped. Returns the replaced slot value.
+    pub(crate) fn replace(
+        &self,
+        frames: &Frames,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u64>, ()> {
+        for _ in 0..4 {
+            match self.replace_once(frames, page, frame, generation) {
+                Err(()) => self.replenish(),
+                done => return done,
+            }
+        }
+        self.replace_once(frames, page, frame, generation)
+    }
+
+    fn replace_once(
+        &self,
+        frames: &Frames,
+        page: u64,
+        frame: u32,
+        generation: u64,
+    ) -> Result<Option<u64>, ()> {
         let key = key_of(page);
+        let val = layout::val_of(frame, generation);
         let mut locked = Self::lock(frames, page);
         if let Some(s) = Self::find_locked(frames, &locked, key) {
             let old = s.val.load(Ordering::Relaxed);
+            frames.invalidate(val_frame(old));
+            frames.make_visible(frame, generation, 1);
             // Release: the new frame's header and bytes are visible to a
             // reader that loads this val (it also gets the frame's refcount).
             s.val.store(val, Ordering::Release);
             return Ok(Some(old));
         }
-        match self.place(frames, &mut locked, key, val) {
+        match self.place(frames, &mut locked, key, val, || {
+            frames.make_visible(frame, generation, 1)
+        }) {
             Insert::Inserted => Ok(None),
             _ => Err(()),
         }
@@ -345,6 +428,25 @@ impl RawIndex {
     /// Remove `page → val` if the index still holds exactly that entry and
     /// the frame can be frozen (transition 3).
     pub(crate) fn remove(&self, frames: &Frames, page: u64, val: u64) -> Remove {
+        let (outcome, unlinked) = self.remove_locked(frames, page, val);
+        if let Some(o) = unlinked {
+            // Deferred only now that the chain lock is released, so the
+            // unlink (stored by the unlock) is visible before the deferral:
+            // a reader that pins after this point cannot reach the bucket,
+            // and every reader pinned before it delays the recycling.
+            let pool = Arc::clone(&self.pool);
+            let guard = crossbeam_epoch::pin();
+            guard.defer(move || pool.push(o));
+            // Hand the deferral to the global queue at once, so recycling
+            // keeps pace with unlinks instead of waiting for a full bag.
+            guard.flush();
+        }
+        outcome
+    }
+
+    /// [`RawIndex::remove`] under the chain lock; returns the overflow bucket
+    /// it unlinked, if any, for the caller to defer after unlocking.
+    fn remove_locked(&self, frames: &Frames, page: u64, val: u64) -> (Remove, Option<u32>) {
         let key = key_of(page);
         let mut locked = Self::lock(frames, page);
         // Find the slot, remembering the bucket and its predecessor.
@@ -354,11 +456,13 @@ impl RawIndex {
         loop {
             if let Some((s, v)) = Self::scan(here, key) {
                 if v != val {
-                    return Remove::Absent;
+                    return (Remove::Absent, None);
                 }
                 if frames.freeze(val_frame(val)) == Freeze::Busy {
-                    return Remove::Busy;
+                    return (Remove::Busy, None);
                 }
+                // Remote readers fail validation before the entry goes.
+                frames.invalidate(val_frame(val));
                 // Release: pairs with the recheck's Acquire load of the key.
                 s.key.store(0, Ordering::Release);
                 if let Some(o) = here_idx
@@ -367,16 +471,17 @@ impl RawIndex {
                         .iter()
                         .all(|s| s.key.load(Ordering::Relaxed) == 0)
                 {
-                    self.unlink(&mut locked, prev, here, o);
+                    Self::unlink(&mut locked, prev, here);
+                    return (Remove::Removed, Some(o));
                 }
-                return Remove::Removed;
+                return (Remove::Removed, None);
             }
             let next = match here_idx {
                 None => ctrl::next(locked.ctrl),
                 Some(_) => ctrl::next(here.ctrl.load(Ordering::Relaxed)),
             };
             let Some(o) = next else {
-                return Remove::Absent;
+                return (Remove::Absent, None);
             };
             prev = Some(here);
             here = Self::overflow(frames, o);
@@ -384,8 +489,9 @@ impl RawIndex {
         }
     }
 
-    /// Unlink the empty overflow bucket `o` and recycle it after a grace period.
-    fn unlink(&self, locked: &mut Locked<'_>, prev: Option<&Bucket>, b: &Bucket, o: u32) {
+    /// Unlink the empty overflow bucket `b` (its own link stays, so a reader
+    /// inside it walks on); the caller recycles it after a grace period.
+    fn unlink(locked: &mut Locked<'_>, prev: Option<&Bucket>, b: &Bucket) {
         let after = ctrl::next(b.ctrl.load(Ordering::Relaxed));
         match prev {
             Some(p) if !std::ptr::eq(p, locked.head) => {
@@ -395,10 +501,20 @@ impl RawIndex {
             }
             _ => locked.ctrl = ctrl::with_next(locked.ctrl, after),
         }
-        let pool = Arc::clone(&self.pool);
-        let guard = crossbeam_epoch::pin();
-        // Recycled only once every reader pinned before now has unpinned.
-        guard.defer(move || pool.push(o));
+    }
+
+    /// The pool ran dry: help crossbeam-epoch collect deferred buckets (no
+    /// lock held). Buckets in use never exceed the frames (each holds an
+    /// entry), and the pool has `ceil(frames / 3) + 64` more than that, so
+    /// only buckets waiting for their grace period can be missing.
+    fn replenish(&self) {
+        for _ in 0..8 {
+            crossbeam_epoch::pin().flush();
+            if self.pool.len() > 0 {
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Overflow buckets in the pool (for tests and stats).
@@ -406,10 +522,18 @@ impl RawIndex {
         self.pool.len()
     }
 
-    /// The slot value indexed for `page` right now, if any (no reference).
-    pub(crate) fn peek(&self, frames: &Frames, page: u64) -> Option<u64> {
+    /// The frame and full generation indexed for `page` right now, if any
+    /// (no reference). Both are read under the chain lock, which every
+    /// change of the entry or of its frame's visibility holds.
+    pub(crate) fn peek(&self, frames: &Frames, page: u64) -> Option<(u32, u64)> {
         let key = key_of(page);
         let locked = Self::lock(frames, page);
-        Self::find_locked(frames, &locked, key).map(|s| s.val.load(Ordering::Relaxed))
+        let val = Self::find_locked(frames, &locked, key)?
+            .val
+            .load(Ordering::Relaxed);
+        let f = val_frame(val);
+        let generation = frames.header(f).generation.load(Ordering::Relaxed);
+        drop(locked);
+        Some((f, generation))
     }
 }

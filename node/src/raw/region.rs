@@ -8,19 +8,28 @@
 //! memory region. Under loom the same parts are separate heap arrays of loom
 //! atomics and `UnsafeCell`s, so the model checker sees every access.
 //!
-//! Frame bytes are plain memory. They are written only by the one thread that
-//! owns a frame in state `Filling` (refcount frozen at 0) and read only by
-//! holders of a reference or by remote readers that validate by checksum; the
-//! refcount protocol in [`super::frames`] supplies the happens-before edges.
+//! Frame bytes are written only by the one thread that owns a frame in state
+//! `Filling` (refcount frozen at 0), with word-sized atomic stores
+//! ([`Region::fill`]) or by the kernel (`preadv` straight into the frame).
+//! They are read with plain loads by holders of a reference (no writer can
+//! exist then: the zero-copy fast path) and with word-sized atomic loads by
+//! transport responders and other processes at any time, which validate by
+//! checksum. So no plain store ever races with any load, and plain loads
+//! race only with other loads. Under loom the arena is made of atomic words,
+//! so a model can read a frame while it is refilled, as a remote reader does.
 
 use super::{Bucket, Header};
-use crate::layout::{self, RegionLayout};
+use crate::layout::{self, IndexCode, RegionLayout};
 use crate::sync::{AtomicU64, Ordering};
 
 pub(crate) struct Region {
     layout: RegionLayout,
     #[cfg(not(loom))]
     base: std::ptr::NonNull<u8>,
+    /// The transport memory the region lives in; `None`: an anonymous
+    /// private mapping of ours, unmapped on drop.
+    #[cfg(not(loom))]
+    shared: Option<Box<dyn pagewire_rdma::LocalRegion>>,
     #[cfg(loom)]
     buckets: Box<[Bucket]>,
     #[cfg(loom)]
@@ -28,7 +37,7 @@ pub(crate) struct Region {
     #[cfg(loom)]
     headers: Box<[Header]>,
     #[cfg(loom)]
-    arena: Box<[loom::cell::UnsafeCell<Box<[u8]>>]>,
+    arena: Box<[Box<[AtomicU64]>]>,
     #[cfg(loom)]
     epoch: AtomicU64,
 }
@@ -42,53 +51,18 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
-    /// Allocate a zeroed region and write its superblock.
+    /// Allocate a zeroed anonymous region for a lockless index and write its
+    /// superblock.
     pub(crate) fn new(
         layout: RegionLayout,
         file_pages: u64,
         file_len: u64,
     ) -> std::io::Result<Self> {
         #[cfg(not(loom))]
-        {
-            // SAFETY: an anonymous private mapping with no address hint; the
-            // result is checked for MAP_FAILED before use.
-            let ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    layout.len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-            if ptr == libc::MAP_FAILED {
-                return Err(std::io::Error::last_os_error());
-            }
-            // Transparent huge pages: a walk over a big index or arena
-            // otherwise pays a TLB miss per page, and a NIC needs fewer
-            // translation entries. Only a hint; failure changes nothing.
-            // SAFETY: `ptr..ptr + len` is the mapping just created.
-            if unsafe { libc::madvise(ptr, layout.len, libc::MADV_HUGEPAGE) } != 0 {
-                tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_HUGEPAGE) refused");
-            }
-            // Fault the metadata (superblock, index, overflow pool, headers)
-            // in now, as registering the region with a NIC would: lookups and
-            // inserts then never take a page fault. The arena is left to first
-            // touch (or to registration), as it can be large.
-            // SAFETY: `ptr..ptr + arena_offset` lies inside the mapping.
-            if unsafe { libc::madvise(ptr, layout.arena_offset, libc::MADV_POPULATE_WRITE) } != 0 {
-                tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_POPULATE_WRITE) refused");
-            }
-            let base = std::ptr::NonNull::new(ptr.cast::<u8>())
-                .ok_or_else(std::io::Error::last_os_error)?;
-            let region = Self { layout, base };
-            region.write_superblock(file_pages, file_len);
-            Ok(region)
-        }
+        return Self::with_memory(layout, file_pages, file_len, IndexCode::Lockless, None);
         #[cfg(loom)]
         {
-            let _ = (file_pages, file_len);
+            let _ = (file_pages, file_len, IndexCode::Lockless);
             Ok(Self {
                 layout,
                 buckets: (0..layout.bucket_count).map(|_| Bucket::new()).collect(),
@@ -96,7 +70,9 @@ impl Region {
                 headers: (0..layout.frame_count).map(|_| Header::new()).collect(),
                 arena: (0..layout.frame_count)
                     .map(|_| {
-                        loom::cell::UnsafeCell::new(vec![0u8; layout.page_size].into_boxed_slice())
+                        (0..layout.page_size / 8)
+                            .map(|_| AtomicU64::new(0))
+                            .collect()
                     })
                     .collect(),
                 epoch: AtomicU64::new(0),
@@ -104,8 +80,82 @@ impl Region {
         }
     }
 
+    /// A region on `shared` memory (a transport's registered mapping, e.g. an
+    /// `shm` file that other processes map), or on a fresh anonymous private
+    /// mapping when `shared` is `None`. `shared` must be zero-filled (freshly
+    /// registered), page-aligned and at least `layout.len` bytes; the region
+    /// keeps it alive. Writes the superblock.
     #[cfg(not(loom))]
-    fn write_superblock(&self, file_pages: u64, file_len: u64) {
+    pub(crate) fn with_memory(
+        layout: RegionLayout,
+        file_pages: u64,
+        file_len: u64,
+        index: IndexCode,
+        shared: Option<Box<dyn pagewire_rdma::LocalRegion>>,
+    ) -> std::io::Result<Self> {
+        let ptr = match &shared {
+            Some(m) => {
+                if m.len() < layout.len || !(m.as_ptr() as usize).is_multiple_of(4096) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!(
+                            "shared memory of {} bytes at {:p} cannot hold a page-aligned region of {} bytes",
+                            m.len(),
+                            m.as_ptr(),
+                            layout.len
+                        ),
+                    ));
+                }
+                m.as_ptr().cast::<libc::c_void>()
+            }
+            None => {
+                // SAFETY: an anonymous private mapping with no address hint;
+                // the result is checked for MAP_FAILED before use.
+                let ptr = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        layout.len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+                if ptr == libc::MAP_FAILED {
+                    return Err(std::io::Error::last_os_error());
+                }
+                ptr
+            }
+        };
+        // Transparent huge pages: a walk over a big index or arena otherwise
+        // pays a TLB miss per page, and a NIC needs fewer translation
+        // entries. Only a hint; for shared (shmem) memory the kernel's
+        // `shmem_enabled` setting decides, and it is often `never`.
+        // SAFETY: `ptr..ptr + len` is mapped (checked or just created).
+        if unsafe { libc::madvise(ptr, layout.len, libc::MADV_HUGEPAGE) } != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_HUGEPAGE) refused");
+        }
+        // Fault the metadata (superblock, index, overflow pool, headers) in
+        // now, as registering the region with a NIC would: lookups and
+        // inserts then never take a page fault. The arena is left to first
+        // touch (or to registration), as it can be large.
+        // SAFETY: `ptr..ptr + arena_offset` lies inside the mapping.
+        if unsafe { libc::madvise(ptr, layout.arena_offset, libc::MADV_POPULATE_WRITE) } != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_POPULATE_WRITE) refused");
+        }
+        let base =
+            std::ptr::NonNull::new(ptr.cast::<u8>()).ok_or_else(std::io::Error::last_os_error)?;
+        let region = Self {
+            layout,
+            base,
+            shared,
+        };
+        region.write_superblock(file_pages, file_len, index);
+        Ok(region)
+    }
+
+    #[cfg(not(loom))]
+    fn write_superblock(&self, file_pages: u64, file_len: u64, index: IndexCode) {
         use layout::sb;
         let l = &self.layout;
         let mut page = [0u8; layout::SUPERBLOCK_SIZE];
@@ -126,6 +176,7 @@ impl Region {
         put(sb::HEADERS_OFFSET, l.headers_offset as u64, 8);
         put(sb::ARENA_OFFSET, l.arena_offset as u64, 8);
         put(sb::REGION_LEN, l.len as u64, 8);
+        put(sb::INDEX_KIND, index as u64, 4);
         // SAFETY: the superblock area is the first SUPERBLOCK_SIZE bytes of a
         // live mapping at least that long; no other thread has the region yet.
         unsafe { std::ptr::copy_nonoverlapping(page.as_ptr(), self.base.as_ptr(), page.len()) };
@@ -180,29 +231,71 @@ impl Region {
         self.epoch.store(epoch, Ordering::Release);
     }
 
-    /// Let `op` write frame `f`'s bytes.
+    /// Let `op` write frame `f`'s bytes: `op` fills a zeroed staging buffer
+    /// (it must write every byte it means to keep), which is then stored
+    /// into the frame with word-sized atomic stores. A transport responder of
+    /// this process may be copying the frame (a stale location) with atomic
+    /// loads at the same time; plain stores would race with those loads.
     ///
     /// # Safety
     /// The caller owns frame `f` exclusively: it is in state `Filling` (its
     /// refcount is 0 and the caller took it off the free list), so no other
-    /// thread reads or writes its bytes until the caller publishes it.
+    /// thread writes its bytes, and no local reader reads them, until the
+    /// caller publishes it.
     pub(crate) unsafe fn fill<R>(&self, f: u32, op: impl FnOnce(&mut [u8]) -> R) -> R {
         assert!((f as usize) < self.layout.frame_count);
+        // Page-aligned, like the frame itself, so `op` may read into it with
+        // O_DIRECT.
+        let mut staged = Staging::new(self.layout.page_size);
+        let r = op(staged.as_mut());
+        for (i, chunk) in staged.as_mut().chunks_exact(8).enumerate() {
+            let w = u64::from_ne_bytes(chunk.try_into().expect("8 bytes"));
+            self.frame_word(f, i).store(w, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Word `i` of frame `f`, as an atomic.
+    #[inline]
+    fn frame_word(&self, f: u32, i: usize) -> &AtomicU64 {
         #[cfg(not(loom))]
         {
-            // SAFETY: the frame lies inside the mapping (f < frame_count) and
-            // the caller guarantees exclusive access for the call.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(
-                    self.base.as_ptr().add(self.layout.frame(f as usize)),
-                    self.layout.page_size,
+            assert!(i < self.layout.page_size / 8);
+            // SAFETY:
+            // - the word lies inside frame `f` (f < frame_count was asserted
+            //   by the caller, i < page_size / 8 here), inside the mapping;
+            // - the arena is page-aligned and page sizes are powers of two of
+            //   at least 512, so the word is 8-byte aligned;
+            // - concurrent accesses to frame bytes are atomic (this, transport
+            //   copies), by the kernel (`preadv`), or plain reads by holders of
+            //   a reference, which exclude writers (see `frames`).
+            unsafe {
+                AtomicU64::from_ptr(
+                    self.base
+                        .as_ptr()
+                        .add(self.layout.frame(f as usize) + i * 8)
+                        .cast::<u64>(),
                 )
-            };
-            op(bytes)
+            }
         }
         #[cfg(loom)]
-        // SAFETY: exclusive access is the caller's contract; loom checks it.
-        self.arena[f as usize].with_mut(|p| op(unsafe { &mut **p }))
+        &self.arena[f as usize][i]
+    }
+
+    // Used by the loom models' remote reader and by `read` under loom.
+    #[cfg_attr(not(loom), allow(dead_code))]
+    /// Copy frame `f` into `out` with word-sized atomic loads, the way a
+    /// transport responder or a remote reader sees it: valid at any time,
+    /// even while the frame is refilled (the copy may then be torn).
+    pub(crate) fn copy_frame(&self, f: u32, out: &mut [u8]) {
+        assert!((f as usize) < self.layout.frame_count);
+        for (i, chunk) in out
+            .chunks_exact_mut(8)
+            .take(self.layout.page_size / 8)
+            .enumerate()
+        {
+            chunk.copy_from_slice(&self.frame_word(f, i).load(Ordering::Relaxed).to_ne_bytes());
+        }
     }
 
     /// Let `op` read frame `f`'s bytes.
@@ -220,8 +313,11 @@ impl Region {
             op(unsafe { self.frame(f) })
         }
         #[cfg(loom)]
-        // SAFETY: the caller's reference excludes writers; loom checks it.
-        self.arena[f as usize].with(|p| op(unsafe { &**p }))
+        {
+            let mut out = vec![0u8; self.layout.page_size];
+            self.copy_frame(f, &mut out);
+            op(&out)
+        }
     }
 
     /// Frame `f`'s bytes for as long as the caller's reference lives.
@@ -258,9 +354,45 @@ impl Region {
     }
 }
 
+/// A zeroed, page-aligned staging buffer for [`Region::fill`].
+struct Staging {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+impl Staging {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, len.clamp(8, 4096))
+            .expect("page sizes are powers of two");
+        // SAFETY: `layout` has a non-zero size (page sizes are at least 512,
+        // 16 under loom).
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, layout }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` owns `layout.size()` initialised (zeroed) bytes,
+        // borrowed mutably through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with exactly this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
 #[cfg(not(loom))]
 impl Drop for Region {
     fn drop(&mut self) {
+        if self.shared.is_some() {
+            // The transport's mapping goes with `shared`.
+            return;
+        }
         // SAFETY: `base` came from mmap with exactly `layout.len` bytes and is
         // unmapped once; every borrow of the region ended with `&mut self`.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.layout.len) };
