@@ -10,6 +10,8 @@
 //!   eviction, stats), generic over an [`index::Index`] variant.
 //! * [`raw`] (internal): the lock-free core, each module opening with its
 //!   protocol.
+//! * [`remote`]: the one-sided reader of another node's region (READs only,
+//!   read-validate-retry, an index cache, fallback to the owner).
 //! * [`pattern`]: the self-describing page format every test and bench uses.
 //! * [`numa`]: topology discovery and placement (hwloc with feature `numa`).
 //!
@@ -37,6 +39,8 @@ pub mod error;
 mod flight;
 #[cfg(not(loom))]
 pub mod numa;
+#[cfg(not(loom))]
+pub mod remote;
 
 #[cfg(all(test, loom))]
 mod loom_models;

@@ -1,0 +1,429 @@
+//! The one-sided remote reader: finds and reads a page in another node's
+//! registered region with READs alone, no code running on the owner.
+//!
+//! The bytes it reads are laid out as [`crate::layout`] documents, and it
+//! accepts a copy only through [`RawHeader::validate`], whose soundness for a
+//! copy made word by word in any order is argued in `raw/frames.rs` (and in
+//! ARCHITECTURE.md, "Remote hit"). Everything it reads from a bucket is a
+//! hint: a torn bucket or a chain changed under it can only cost a retry or
+//! a fallback, never a wrong byte, and an absent page is never taken as
+//! authoritative: the caller falls back to the owner.
+//!
+//! # The read of one page
+//!
+//! 1. **Warm** (the client-side index cache knows `page → (frame,
+//!    generation)`): READ the frame's header (64 B) and the frame
+//!    (`page_size` B), both posted under one doorbell: **one round trip**.
+//!    Validate; on success the read is done.
+//! 2. **Cold, or the warm copy failed validation**: READ the page's head
+//!    bucket; scan its 3 slots for `page + 1`. Not there: follow the
+//!    overflow links, one READ each, at most `max_hops` of them, each index
+//!    checked against the overflow count. A head whose lock bit is set is
+//!    being changed: back off and retry.
+//! 3. Found `(frame, gen32)`: READ header and frame as in 1 and validate
+//!    (a cold hit is two round trips when the page sits in its head bucket).
+//!    A frame index out of range, a failed validation or a generation whose
+//!    low half is not `gen32` means the slot was torn or stale: retry.
+//! 4. Not found: READ the head's `ctrl` again. If it differs from the copy
+//!    read in step 2, a writer changed the chain while it was walked: retry.
+//!    If it is the same, report [`Outcome::Absent`]: the caller asks the
+//!    owner (gRPC `FaultIn`), which faults the page in and is authoritative.
+//! 5. Retries are bounded (`max_retries`), with exponential backoff; when
+//!    they run out the read reports [`Outcome::GaveUp`] and the caller
+//!    falls back to the owner as for an absent page.
+//!
+//! Every READ is bounds-checked twice: here against the layout decoded from
+//! the superblock (and checked against the descriptor's length), and by the
+//! transport against the registered region. A descriptor of an earlier
+//! incarnation of the owner is refused by the transport (stale epoch or
+//! unknown key): [`RemoteError::Stale`], and the caller refetches the
+//! descriptor.
+
+use crate::layout::{IndexCode, LINE, RawBucket, RawHeader, SUPERBLOCK_HEAD, Superblock};
+use pagewire_rdma::{
+    AccessFault, Connection, PostError, ReadError as WireError, ReadRequest, RegionDescriptor,
+};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// How a [`RemoteReader`] retries.
+#[derive(Clone, Debug)]
+pub struct ReaderConfig {
+    /// Bucket walks after a failed validation, a locked or torn bucket,
+    /// before the read gives up (and the caller falls back).
+    pub max_retries: u32,
+    /// Overflow buckets followed in one walk, at most (a chain recycled into
+    /// another under the reader can otherwise loop it).
+    pub max_hops: u32,
+    /// First backoff between retries; doubles each time.
+    pub backoff: Duration,
+    /// Largest backoff.
+    pub backoff_max: Duration,
+}
+
+impl Default for ReaderConfig {
+    fn default() -> Self {
+        Self {
+            max_retries: 8,
+            max_hops: 16,
+            backoff: Duration::from_micros(1),
+            backoff_max: Duration::from_micros(256),
+        }
+    }
+}
+
+/// What one read achieved.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// `out` holds the page's bytes (the valid length, zero past it) as of
+    /// an instant during the read; `generation` is the frame's.
+    Hit {
+        frame: u32,
+        generation: u64,
+        /// Round trips this read took (1 for a warm hit).
+        round_trips: u32,
+    },
+    /// The owner's index does not hold the page (as far as a consistent walk
+    /// can tell): ask the owner.
+    Absent,
+    /// Retries ran out (the page keeps moving, or the owner runs an index the
+    /// region does not expose): ask the owner.
+    GaveUp,
+}
+
+/// Why a remote read failed outright (not a miss: an error to act on).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteError {
+    /// The descriptor is of an earlier incarnation of the owner, or revoked:
+    /// fetch the owner's current descriptor and reconnect.
+    #[error("the owner's region descriptor is stale: {0}")]
+    Stale(WireError),
+    #[error("READ failed: {0}")]
+    Wire(WireError),
+    #[error("READ not posted: {0}")]
+    Post(#[from] PostError),
+    #[error("the owner's superblock: {0}")]
+    Superblock(#[from] crate::layout::SuperblockError),
+    #[error("the superblock is of incarnation {found}, the descriptor of {expected}")]
+    EpochMismatch { expected: u64, found: u64 },
+    #[error("the region needs {need} bytes, the descriptor grants {granted}")]
+    RegionTooSmall { need: u64, granted: u64 },
+    #[error("page {page} is past the end of the file ({pages} pages)")]
+    BeyondEnd { page: u64, pages: u64 },
+    #[error("buffer of {got} bytes for a page of {need}")]
+    BufferSize { need: usize, got: usize },
+}
+
+/// Counters of one reader.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReaderStats {
+    pub reads: u64,
+    /// Reads that validated from the index cache in one round trip.
+    pub warm_hits: u64,
+    /// Reads that found the page through the bucket index.
+    pub cold_hits: u64,
+    pub bucket_reads: u64,
+    pub overflow_hops: u64,
+    /// Head `ctrl` words read again to confirm an absence.
+    pub ctrl_rereads: u64,
+    pub retries: u64,
+    /// Copies that failed validation (the frame changed under the READ).
+    pub validation_failures: u64,
+    /// Buckets seen locked, torn or changed during a walk.
+    pub torn_buckets: u64,
+    pub absent: u64,
+    pub gave_up: u64,
+    pub round_trips: u64,
+    pub bytes: u64,
+}
+
+/// A one-sided reader of one owner's region over one connection.
+pub struct RemoteReader<C: Connection> {
+    conn: C,
+    desc: RegionDescriptor,
+    sb: Superblock,
+    cfg: ReaderConfig,
+    /// The client-side index cache: page → (frame, generation).
+    locations: HashMap<u64, (u32, u64)>,
+    stats: ReaderStats,
+    header: [u8; LINE],
+    bucket: [u8; LINE],
+}
+
+impl<C: Connection> RemoteReader<C> {
+    /// READ the owner's superblock through `conn` and check it: magic,
+    /// version, a layout consistent with its counts, the descriptor's epoch,
+    /// and a region the descriptor covers.
+    pub fn connect(
+        mut conn: C,
+        desc: RegionDescriptor,
+        cfg: ReaderConfig,
+    ) -> Result<Self, RemoteError> {
+        let mut head = [0u8; SUPERBLOCK_HEAD];
+        read_all(&mut conn, desc, &mut [(0, &mut head[..])])?;
+        let sb = Superblock::decode(&head)?;
+        if sb.epoch != desc.epoch {
+            return Err(RemoteError::EpochMismatch {
+                expected: desc.epoch,
+                found: sb.epoch,
+            });
+        }
+        if sb.layout.len as u64 > desc.len {
+            return Err(RemoteError::RegionTooSmall {
+                need: sb.layout.len as u64,
+                granted: desc.len,
+            });
+        }
+        Ok(Self {
+            conn,
+            desc,
+            sb,
+            cfg,
+            locations: HashMap::new(),
+            stats: ReaderStats::default(),
+            header: [0; LINE],
+            bucket: [0; LINE],
+        })
+    }
+
+    /// The owner's superblock as read at connect.
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+
+    /// This reader's counters.
+    pub fn stats(&self) -> ReaderStats {
+        self.stats
+    }
+
+    /// Forget what the index cache knows of `page` (e.g. after the owner
+    /// said where it faulted it in; see [`RemoteReader::learn`]).
+    pub fn forget(&mut self, page: u64) {
+        self.locations.remove(&page);
+    }
+
+    /// Tell the index cache where the owner put `page` (the reply of a
+    /// fault-in): the next read of it is one round trip.
+    pub fn learn(&mut self, page: u64, frame: u32, generation: u64) {
+        if (frame as usize) < self.sb.layout.frame_count {
+            self.locations.insert(page, (frame, generation));
+        }
+    }
+
+    /// Read `page` into `out` (at least `page_size` bytes; the bytes past
+    /// the page's valid length are zero).
+    pub fn read_page(&mut self, page: u64, out: &mut [u8]) -> Result<Outcome, RemoteError> {
+        let ps = self.sb.layout.page_size;
+        if page >= self.sb.file_pages {
+            return Err(RemoteError::BeyondEnd {
+                page,
+                pages: self.sb.file_pages,
+            });
+        }
+        if out.len() < ps {
+            return Err(RemoteError::BufferSize {
+                need: ps,
+                got: out.len(),
+            });
+        }
+        let out = &mut out[..ps];
+        self.stats.reads += 1;
+        let mut trips = 0u32;
+        if let Some(&(frame, _)) = self.locations.get(&page) {
+            trips += 1;
+            if let Some(generation) = self.read_frame(page, frame, None, out)? {
+                self.stats.warm_hits += 1;
+                return Ok(self.hit(page, frame, generation, trips));
+            }
+            self.locations.remove(&page);
+        }
+        if self.sb.index != IndexCode::Lockless {
+            // The region's buckets are empty: only the owner can answer.
+            self.stats.absent += 1;
+            return Ok(Outcome::Absent);
+        }
+        let mut backoff = self.cfg.backoff;
+        for attempt in 0..=self.cfg.max_retries {
+            if attempt > 0 {
+                self.stats.retries += 1;
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(self.cfg.backoff_max);
+            }
+            match self.walk(page, &mut trips)? {
+                Walk::Found(frame, gen32) => {
+                    trips += 1;
+                    if let Some(generation) = self.read_frame(page, frame, Some(gen32), out)? {
+                        self.stats.cold_hits += 1;
+                        return Ok(self.hit(page, frame, generation, trips));
+                    }
+                }
+                Walk::Absent => {
+                    self.stats.absent += 1;
+                    self.stats.round_trips += u64::from(trips);
+                    return Ok(Outcome::Absent);
+                }
+                Walk::Torn => self.stats.torn_buckets += 1,
+            }
+        }
+        self.stats.gave_up += 1;
+        self.stats.round_trips += u64::from(trips);
+        Ok(Outcome::GaveUp)
+    }
+
+    fn hit(&mut self, page: u64, frame: u32, generation: u64, trips: u32) -> Outcome {
+        self.locations.insert(page, (frame, generation));
+        self.stats.round_trips += u64::from(trips);
+        self.stats.bytes += self.sb.layout.page_size as u64;
+        Outcome::Hit {
+            frame,
+            generation,
+            round_trips: trips,
+        }
+    }
+
+    /// READ `frame`'s header and bytes under one doorbell and validate them
+    /// as `page` (and, from a bucket, a generation whose low half is
+    /// `gen32`). `Some(generation)` when the copy in `out` is good.
+    fn read_frame(
+        &mut self,
+        page: u64,
+        frame: u32,
+        gen32: Option<u32>,
+        out: &mut [u8],
+    ) -> Result<Option<u64>, RemoteError> {
+        let l = self.sb.layout;
+        if frame as usize >= l.frame_count {
+            return Ok(None);
+        }
+        let mut header = self.header;
+        read_all(
+            &mut self.conn,
+            self.desc,
+            &mut [
+                (l.header(frame as usize) as u64, &mut header[..]),
+                (l.frame(frame as usize) as u64, &mut *out),
+            ],
+        )?;
+        let ok = RawHeader::decode(&header)
+            .filter(|h| h.validate(page, out) && gen32.is_none_or(|g| h.generation as u32 == g));
+        match ok {
+            Some(h) => Ok(Some(h.generation)),
+            None => {
+                self.stats.validation_failures += 1;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Steps 2 and 4: find `page` in its bucket chain.
+    fn walk(&mut self, page: u64, trips: &mut u32) -> Result<Walk, RemoteError> {
+        let l = self.sb.layout;
+        let key = crate::layout::key_of(page);
+        let head_off = l.bucket(crate::layout::bucket_of(page, l.bucket_count as u64) as usize);
+        let mut buf = self.bucket;
+        self.read_line(head_off, &mut buf, trips)?;
+        let head = RawBucket::decode(&buf).expect("64 bytes");
+        if head.ctrl & crate::layout::ctrl::LOCKED != 0 {
+            return Ok(Walk::Torn);
+        }
+        let mut bucket = head;
+        let mut hops = 0;
+        loop {
+            if let Some(val) = bucket.find(page) {
+                debug_assert!(bucket.slots.iter().any(|s| s.0 == key));
+                return Ok(Walk::Found(
+                    crate::layout::val_frame(val),
+                    crate::layout::val_gen32(val),
+                ));
+            }
+            let Some(next) = bucket.next() else { break };
+            hops += 1;
+            if next as usize >= l.overflow_count || hops > self.cfg.max_hops {
+                return Ok(Walk::Torn);
+            }
+            self.stats.overflow_hops += 1;
+            self.read_line(l.overflow(next as usize), &mut buf, trips)?;
+            bucket = RawBucket::decode(&buf).expect("64 bytes");
+        }
+        // Absent as far as this walk saw: confirm the chain did not change.
+        self.stats.ctrl_rereads += 1;
+        let mut ctrl = [0u8; 8];
+        *trips += 1;
+        read_all(
+            &mut self.conn,
+            self.desc,
+            &mut [(head_off as u64, &mut ctrl[..])],
+        )?;
+        if u64::from_le_bytes(ctrl) == head.ctrl {
+            Ok(Walk::Absent)
+        } else {
+            Ok(Walk::Torn)
+        }
+    }
+
+    fn read_line(
+        &mut self,
+        offset: usize,
+        buf: &mut [u8; LINE],
+        trips: &mut u32,
+    ) -> Result<(), RemoteError> {
+        self.stats.bucket_reads += 1;
+        *trips += 1;
+        read_all(
+            &mut self.conn,
+            self.desc,
+            &mut [(offset as u64, &mut buf[..])],
+        )
+    }
+}
+
+enum Walk {
+    Found(u32, u32),
+    Absent,
+    /// Locked, torn, or changed while walked: retry.
+    Torn,
+}
+
+/// Post every `(offset, buffer)` READ under one doorbell and wait for all.
+fn read_all<C: Connection>(
+    conn: &mut C,
+    desc: RegionDescriptor,
+    reads: &mut [(u64, &mut [u8])],
+) -> Result<(), RemoteError> {
+    let reqs: Vec<ReadRequest> = reads
+        .iter_mut()
+        .enumerate()
+        .map(|(i, (off, buf))| ReadRequest::new(i as u64, desc, *off, buf))
+        .collect();
+    // SAFETY: every buffer is exclusively borrowed through `reads` for this
+    // whole call, and we return only after each request has completed: the
+    // trait promises exactly one completion per accepted request, and each
+    // backend's operation timeout bounds the wait.
+    unsafe { conn.post_reads(&reqs)? };
+    let mut pending = reqs.len();
+    let mut done = Vec::with_capacity(reqs.len());
+    let mut first_err = None;
+    while pending > 0 {
+        done.clear();
+        if conn.poll(&mut done) == 0 {
+            conn.wait(&mut done, Duration::from_millis(10));
+        }
+        for c in &done {
+            pending -= 1;
+            if let Err(e) = &c.result
+                && first_err.is_none()
+            {
+                first_err = Some(e.clone());
+            }
+        }
+    }
+    match first_err {
+        None => Ok(()),
+        Some(e @ WireError::RemoteAccess(AccessFault::StaleEpoch | AccessFault::UnknownKey)) => {
+            Err(RemoteError::Stale(e))
+        }
+        Some(e) => Err(RemoteError::Wire(e)),
+    }
+}
