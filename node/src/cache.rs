@@ -294,8 +294,33 @@ impl<I: Index> PageCache<I> {
     }
 
     /// Copy the page into `buf` (at least the page's length); returns the
-    /// number of bytes copied.
+    /// number of bytes copied. With the lockless index a hit takes no
+    /// reference: it copies the frame between two loads of its generation
+    /// and retries if the frame changed (no store, so readers of one hot page
+    /// do not contend); a miss faults the page in.
     pub fn read_into(&self, page: u64, buf: &mut [u8]) -> Result<usize, ReadError> {
+        let mut retries = 0;
+        let copied = self
+            .core
+            .index
+            .copy_out(&self.core.frames, page, buf, &mut retries);
+        if retries > 0 {
+            self.stats.add(Counter::Retries, retries);
+        }
+        match copied {
+            Some(Ok(Some((_, len)))) => {
+                self.stats.add(Counter::Hits, 1);
+                return Ok(len);
+            }
+            Some(Err(need)) => {
+                return Err(ReadError::BufferSize {
+                    page,
+                    need,
+                    got: buf.len(),
+                });
+            }
+            Some(Ok(None)) | None => {}
+        }
         let r = self.get(page)?;
         let Some(dst) = buf.get_mut(..r.len()) else {
             return Err(ReadError::BufferSize {

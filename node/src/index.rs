@@ -168,6 +168,23 @@ pub trait Index: Send + Sync + 'static {
     #[doc(hidden)]
     fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed;
 
+    /// Copy `page` into `out` without taking a reference, if the variant
+    /// can (a seqlock read of the frame). `Ok(Some((generation, len)))` on
+    /// a hit, `Ok(None)` on a miss, `Err(len)` if `out` is shorter than the
+    /// page; `None` (outer) if the variant has no such path.
+    #[doc(hidden)]
+    #[allow(clippy::type_complexity)]
+    fn copy_out(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        out: &mut [u8],
+        retries: &mut u64,
+    ) -> Option<Result<Option<(u64, usize)>, usize>> {
+        let _ = (frames, page, out, retries);
+        None
+    }
+
     /// The frame indexed for `page`, without taking a reference.
     #[doc(hidden)]
     fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)>;
@@ -264,6 +281,17 @@ impl Index for Lockless {
 
     fn peek(&self, frames: &FrameTable, page: u64) -> Option<(u32, u64)> {
         self.0.peek(frames, page)
+    }
+
+    #[inline]
+    fn copy_out(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        out: &mut [u8],
+        retries: &mut u64,
+    ) -> Option<Result<Option<(u64, usize)>, usize>> {
+        Some(self.0.copy_out(frames, page, out, retries))
     }
 }
 

@@ -159,6 +159,18 @@ pub(crate) enum Freeze {
     Busy,
 }
 
+/// What [`Frames::copy_validated`] achieved.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CopyOut {
+    /// `out[..len]` holds the page as incarnation `generation`.
+    Copied { generation: u64, len: usize },
+    /// The frame was not (or stopped being) that page's published copy.
+    Changed,
+    /// `out` is shorter than the page's `len` bytes.
+    Short(usize),
+}
+
 /// A lock-free FIFO queue of free indices (frames or overflow buckets).
 /// It is sized for every index it can ever hold, so a push can fail only if
 /// an index is pushed twice: that is a broken invariant, and it panics.
@@ -249,6 +261,10 @@ impl Frames {
     /// Transition 1: take a free frame for filling.
     pub(crate) fn alloc(&self) -> Option<u32> {
         let f = self.free.pop()?;
+        // Release: orders the invalidation that preceded this frame's free
+        // (seen through the free list's Acquire) before every store of the
+        // refill; pairs with the Acquire fence in `copy_validated`.
+        fence(Ordering::Release);
         let h = self.header(f);
         debug_assert_eq!(h.refcount.load(Ordering::Relaxed), 0);
         h.state.store(FrameState::Filling as u32, Ordering::Relaxed);
@@ -316,6 +332,38 @@ impl Frames {
         // the write path fences after it before acknowledging.
         h.generation.store(g.wrapping_add(1), Ordering::Release);
         h.state.store(FrameState::Retired as u32, Ordering::Relaxed);
+    }
+
+    /// The local reference-free read (a seqlock over the generation): copy
+    /// frame `f` as `page` into `out` if it is published at a generation
+    /// whose low half is `gen32` and stays so for the whole copy. No store,
+    /// so readers of a hot page do not contend on its refcount. Bytes are
+    /// copied with atomic word loads (the frame may be refilled meanwhile).
+    pub(crate) fn copy_validated(&self, f: u32, page: u64, gen32: u32, out: &mut [u8]) -> CopyOut {
+        let h = self.header(f);
+        // Acquire: pairs with the Release store of `make_visible`: the bytes
+        // of incarnation g1 are visible to the copy.
+        let g1 = h.generation.load(Ordering::Acquire);
+        if g1.is_multiple_of(2) || g1 as u32 != gen32 || h.page.load(Ordering::Relaxed) != page {
+            return CopyOut::Changed;
+        }
+        let len = h.len.load(Ordering::Relaxed) as usize;
+        let Some(dst) = out.get_mut(..len) else {
+            return CopyOut::Short(len);
+        };
+        self.region.copy_frame_prefix(f, dst);
+        // Acquire: if any load of the copy read a store of a later refill,
+        // that refill's `alloc` Release fence synchronises with this fence,
+        // so the load below sees the invalidation that preceded it.
+        fence(Ordering::Acquire);
+        if h.generation.load(Ordering::Relaxed) != g1 {
+            return CopyOut::Changed;
+        }
+        self.touch(f);
+        CopyOut::Copied {
+            generation: g1,
+            len,
+        }
     }
 
     /// Transition 4: take a reference unless the refcount is zero.

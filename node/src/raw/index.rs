@@ -72,7 +72,7 @@
 //!   pinned, so the bucket is not reused; it sees empty slots (a miss, or the
 //!   recheck fails) and the fault path resolves the miss under the lock.
 
-use super::frames::{Frames, FreeList, Freeze};
+use super::frames::{CopyOut, Frames, FreeList, Freeze};
 use super::{Bucket, Slot};
 use crate::index::Link;
 use crate::layout::{self, ctrl, key_of, val_frame, val_gen32};
@@ -243,6 +243,67 @@ impl RawIndex {
                     crate::sync::retry_hint();
                 }
             }
+        }
+    }
+
+    /// Reference-free copy-out of `page` into `out` (a seqlock read of the
+    /// frame, [`Frames::copy_validated`]): `Some((generation, len))`, or
+    /// `None` on a miss. `retries` counts copies that raced a change.
+    pub(crate) fn copy_out(
+        &self,
+        frames: &Frames,
+        page: u64,
+        out: &mut [u8],
+        retries: &mut u64,
+    ) -> Result<Option<(u64, usize)>, usize> {
+        let key = key_of(page);
+        let head = Self::head(frames, page);
+        loop {
+            let copied = if let Some((_, val)) = Self::scan(head, key) {
+                Self::copy_slot(frames, page, val, out)?
+            } else {
+                // Acquire: pairs with the Release store that linked a bucket.
+                if ctrl::next(head.ctrl.load(Ordering::Acquire)).is_none() {
+                    return Ok(None);
+                }
+                let _guard = crossbeam_epoch::pin();
+                let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
+                let mut found = None;
+                while let Some(o) = next {
+                    let b = Self::overflow(frames, o);
+                    if let Some(hit) = Self::scan(b, key) {
+                        found = Some(hit.1);
+                        break;
+                    }
+                    next = ctrl::next(b.ctrl.load(Ordering::Acquire));
+                }
+                let Some(val) = found else { return Ok(None) };
+                Self::copy_slot(frames, page, val, out)?
+            };
+            match copied {
+                Some(done) => return Ok(Some(done)),
+                None => {
+                    *retries += 1;
+                    crate::sync::retry_hint();
+                }
+            }
+        }
+    }
+
+    fn copy_slot(
+        frames: &Frames,
+        page: u64,
+        val: u64,
+        out: &mut [u8],
+    ) -> Result<Option<(u64, usize)>, usize> {
+        let f = val_frame(val);
+        if f as usize >= frames.count() {
+            return Ok(None);
+        }
+        match frames.copy_validated(f, page, val_gen32(val), out) {
+            CopyOut::Copied { generation, len } => Ok(Some((generation, len))),
+            CopyOut::Changed => Ok(None),
+            CopyOut::Short(len) => Err(len),
         }
     }
 

@@ -298,6 +298,52 @@ impl Region {
         }
     }
 
+    /// Copy the first `out.len()` bytes of frame `f` with atomic loads (the
+    /// fast form of [`Region::copy_frame`] for the local copy-out path).
+    pub(crate) fn copy_frame_prefix(&self, f: u32, out: &mut [u8]) {
+        assert!((f as usize) < self.layout.frame_count && out.len() <= self.layout.page_size);
+        let words = out.len() / 8;
+        let (body, tail) = out.split_at_mut(words * 8);
+        for (i, chunk) in body.chunks_exact_mut(8).enumerate() {
+            chunk.copy_from_slice(
+                &self
+                    .frame_word_unchecked(f, i)
+                    .load(Ordering::Relaxed)
+                    .to_ne_bytes(),
+            );
+        }
+        if !tail.is_empty() {
+            let w = self
+                .frame_word_unchecked(f, words)
+                .load(Ordering::Relaxed)
+                .to_ne_bytes();
+            let n = tail.len();
+            tail.copy_from_slice(&w[..n]);
+        }
+    }
+
+    /// Word `i` of frame `f`; the caller checked `f < frame_count` and
+    /// `i < page_size / 8`.
+    #[inline(always)]
+    fn frame_word_unchecked(&self, f: u32, i: usize) -> &AtomicU64 {
+        #[cfg(not(loom))]
+        {
+            debug_assert!((f as usize) < self.layout.frame_count && i < self.layout.page_size / 8);
+            // SAFETY: as in `frame_word`; the bounds are the caller's contract
+            // (checked by `copy_frame_prefix` once per copy).
+            unsafe {
+                AtomicU64::from_ptr(
+                    self.base
+                        .as_ptr()
+                        .add(self.layout.arena_offset + f as usize * self.layout.page_size + i * 8)
+                        .cast::<u64>(),
+                )
+            }
+        }
+        #[cfg(loom)]
+        &self.arena[f as usize][i]
+    }
+
     /// Let `op` read frame `f`'s bytes.
     ///
     /// # Safety
