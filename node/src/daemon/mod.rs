@@ -25,7 +25,6 @@ use pagewire_proto::v1::node_server::NodeServer;
 use pagewire_proto::v1::{NodeStats, OwnershipMap, Policy};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub(crate) use config::Config;
 pub(crate) use error::DaemonError;
@@ -200,6 +199,7 @@ pub(crate) async fn run(
         Duration::from_millis(200),
     ));
 
+    // TCP_NODELAY is set per accepted connection by `net::incoming`.
     let mut server = tonic::transport::Server::builder();
     if let (Some(cert_file), Some(key_file)) = (&cfg.tls.cert_file, &cfg.tls.key_file) {
         let tls = ServerTls {
@@ -225,12 +225,12 @@ pub(crate) async fn run(
         "node listening"
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serve =
-        server
-            .add_service(svc)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async {
-                let _ = stop_rx.await;
-            });
+    let serve = server.add_service(svc).serve_with_incoming_shutdown(
+        pagewire_proto::net::incoming(grpc),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
     tokio::pin!(serve);
     let outcome = tokio::select! {
         r = &mut serve => r.map_err(DaemonError::from),
