@@ -9,14 +9,21 @@
 //!
 //! When an extent moves from a live node A to a node B (B joins, A drains, A
 //! leaves through a rebalance), the new map names B as `owner` and A as
-//! `previous_owner`. B takes the extent as soon as it applies the map (it
-//! can serve any page of it at once by faulting it in from the backing file);
-//! A keeps serving it, so a reader with the older map is still answered. Once
-//! every new owner reports (in its heartbeat) that it applied the epoch, the
-//! coordinator publishes the next epoch with the handoff cleared and only then
-//! does A drop the extent. An extent whose owner died moves with no handoff:
-//! until its new owner applies the map, readers retry and fall back to reading
-//! the backing file themselves (the source of truth), as for any failed owner.
+//! `previous_owner`. A keeps answering reads of it, so a reader with either
+//! map is answered; B answers none of it yet (A, still at an older epoch, may
+//! be acknowledging writes to it), and nobody acknowledges writes to it. Once
+//! B and A both report (in a heartbeat) that they applied the epoch, the
+//! coordinator publishes the next epoch with the handoff cleared and A named
+//! in `released_by`: A drops the extent when it applies that epoch, B fills
+//! its cache from the backing file, and B acknowledges writes to it one lease
+//! (plus its drift margin) after it applied the map, when A has either
+//! applied it or lost its lease. `released_by` entries go at a later epoch
+//! once their node applied the release or lost its lease.
+//!
+//! An extent whose owner died moves with no handoff and no release: the dead
+//! node's own lease ran out before the coordinator's did. Until its new owner
+//! applies the map, readers retry and fall back to reading the backing file
+//! themselves (the source of truth), as for any failed owner.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;

@@ -261,6 +261,19 @@ impl Cluster {
         });
     }
 
+    /// Waits until the map gives every extent to a node other than
+    /// `index`, and returns it.
+    fn wait_moved(&self, index: u32) -> OwnershipMap {
+        let mut moved = None;
+        self.wait_for(&format!("node index {index}'s extents to move"), |c| {
+            let m = c.grpc_map();
+            let done = !m.owner.is_empty() && m.owner.iter().all(|&o| o != 0 && o != index);
+            moved = done.then_some(m);
+            done
+        });
+        moved.expect("map")
+    }
+
     fn grpc_map(&self) -> OwnershipMap {
         let port = self.port;
         rt().block_on(async move {
@@ -892,12 +905,7 @@ fn a_frozen_owner_answers_no_queued_read_with_pre_write_bytes() {
             })
         })
         .collect();
-    c.wait_for("f2's extents to move", |c| {
-        c.try_pwctl(&["map"]).is_some_and(|m| {
-            owned_by(&m, "f2") == 0 && owned_by(&m, "f1") + owned_by(&m, "f3") == FILE / EXTENT
-        })
-    });
-    let moved = c.grpc_map();
+    let moved = c.wait_moved(victim);
     let new_owner = moved.owner[(page / (EXTENT / PAGE)) as usize];
     let data = written(page);
     let acked = rt.block_on(async {
@@ -965,21 +973,20 @@ fn a_node_that_loses_extents_and_regains_them_never_serves_pre_write_bytes() {
         .enable_all()
         .build()
         .expect("runtime");
+    let mut g2 = rt.block_on(node_client(&map, victim));
     let before = rt
-        .block_on(async {
-            let mut n = node_client(&map, victim).await;
-            read_page(&mut n, page, map.epoch).await
-        })
+        .block_on(read_page(&mut g2, page, map.epoch))
         .expect("read before");
     assert_eq!(before, vec![0u8; PAGE as usize], "g2 caches the page");
 
-    // g2 is frozen past its lease and declared dead; its extents move.
+    // g2 is frozen; the coordinator restarts meanwhile, so g2's map stream
+    // is gone when the restarted coordinator declares it dead and moves its
+    // extents: g2 wakes to a refused heartbeat without ever having seen the
+    // epoch that dropped it (the path that once kept its cached pages).
     c.node("g2").signal("STOP");
-    c.wait_for("g2's extents to move", |c| {
-        c.try_pwctl(&["map"])
-            .is_some_and(|m| owned_by(&m, "g2") == 0)
-    });
-    let moved = c.grpc_map();
+    c.coord.as_mut().expect("coordinator").kill9();
+    c.start_coordinator();
+    let moved = c.wait_moved(victim);
     let data = written(page);
     rt.block_on(async {
         let n = node_client(&moved, moved.owner[extent]).await;
@@ -997,13 +1004,31 @@ fn a_node_that_loses_extents_and_regains_them_never_serves_pre_write_bytes() {
         })
         .await;
     });
-    // The coordinator restarts meanwhile: g2 wakes to a broken map stream
-    // and a refused heartbeat, the path that once skipped the epoch that
-    // dropped it.
-    c.coord.as_mut().expect("coordinator").kill9();
-    c.start_coordinator();
     c.node("g2").signal("CONT");
+    // From the moment it wakes until it serves the extent again, whatever
+    // g2 answers for the page is the written bytes.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let poller = {
+        let (stop, data) = (stop.clone(), data.clone());
+        rt.spawn(async move {
+            let (mut answered, mut refused) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match read_page(&mut g2, page, 0).await {
+                    Ok(bytes) => {
+                        assert_eq!(bytes, data, "g2 served pre-write bytes");
+                        answered += 1;
+                    }
+                    Err(_) => refused += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (answered, refused)
+        })
+    };
     c.wait_stable(3);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (answered, refused) = rt.block_on(poller).expect("g2 served pre-write bytes");
+    eprintln!("MEASURE waking g2: {answered} reads answered, {refused} refused");
     let back = c.grpc_map();
     assert_eq!(back.owner[extent], victim, "g2 owns the extent again");
     rt.block_on(async {
