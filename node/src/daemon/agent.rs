@@ -8,9 +8,10 @@
 //!   A heartbeat renews this node's own lease ([`super::lease`]) only when
 //!   the node had applied the coordinator's current epoch when it sent it.
 //! * Watch the map: each new epoch is applied by [`Node::apply_map`] on the
-//!   blocking pool (so a cancelled watcher cannot stop it halfway), which
-//!   evicts what this node no longer answers from its cache before serving
-//!   the new map; then heartbeat at once so the coordinator can finish the
+//!   blocking pool (so a cancelled watcher cannot stop it halfway): it
+//!   refuses at once what this node no longer answers from its cache and
+//!   evicts it (everything, before answering anything, when epochs were
+//!   skipped); then heartbeat at once so the coordinator can finish the
 //!   handoff.
 //! * Whenever this node must register again (declared dead, lease lapsed),
 //!   it first loses everything ([`Node::lose_everything`]): the extents it

@@ -140,13 +140,20 @@ impl Node {
             Instant::now(),
         );
         let (epoch, owned) = (plan.view.map.epoch, plan.view.owned());
-        // Install first (waiting for the calls admitted under the old view):
-        // from here on, calls for dropped extents are refused, so nothing
-        // faults them back in while they are evicted.
-        *self.view.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(plan.view));
         let evicted = if plan.evict_all {
-            self.cache.evict_range(0, self.cache.pages()).0
+            // Any cached page may be stale: answer nothing until every page
+            // is gone (taking the write lock waits for the calls admitted
+            // under the old view).
+            *self.view.write().unwrap_or_else(|e| e.into_inner()) = None;
+            let n = self.cache.evict_range(0, self.cache.pages()).0;
+            *self.view.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(plan.view));
+            n
         } else {
+            // Install first (waiting for the calls admitted under the old
+            // view): from here on, calls for dropped extents are refused, so
+            // nothing faults them back in while they are evicted, and what
+            // the new view answers from the cache it answered before.
+            *self.view.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(plan.view));
             plan.evict
                 .iter()
                 .map(|&e| self.cache.evict_range(e as u64 * ppe, ppe).0)
@@ -332,4 +339,83 @@ pub(crate) async fn run(
     let _ = stop_tx.send(());
     tasks.abort_all();
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use pagewire_node::{CacheConfig, PageCache};
+    use pagewire_proto::v1::OwnershipMap;
+
+    use super::{Config, Node};
+
+    const PAGE: u64 = 4096;
+    /// Four extents of four pages.
+    const PPE: u64 = 4;
+
+    fn node() -> (tempfile::TempDir, Node) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data.bin");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(4 * PPE * PAGE)
+            .unwrap();
+        let cache = PageCache::open(
+            &path,
+            CacheConfig {
+                frames: 64,
+                readahead_max: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let node = Node::new(&Config::default(), "t".into(), cache);
+        node.index.store(1, Ordering::Relaxed);
+        (dir, node)
+    }
+
+    fn map(epoch: u64, owner: &[u32]) -> OwnershipMap {
+        OwnershipMap {
+            epoch,
+            extent_size: PPE * PAGE,
+            page_size: PAGE as u32,
+            owner: owner.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn cached(node: &Node, page: u64) -> bool {
+        node.cache.lookup(page).is_some()
+    }
+
+    #[test]
+    fn applying_maps_evicts_what_is_no_longer_served_and_everything_after_a_gap() {
+        let (_dir, node) = node();
+        let registration = node.generation.load(Ordering::Acquire);
+        node.apply_map(map(1, &[1, 1, 2, 1]), true, registration);
+        assert_eq!(node.applied_epoch(), 1);
+        for p in [0, PPE, 3 * PPE] {
+            node.cache.get(p).unwrap();
+        }
+        // Consecutive epoch: extent 1 goes (evicted), 0 and 3 stay cached.
+        node.apply_map(map(2, &[1, 2, 2, 1]), false, registration);
+        assert!(cached(&node, 0) && cached(&node, 3 * PPE));
+        assert!(!cached(&node, PPE), "a dropped extent kept its pages");
+        // A skipped epoch: extent 0 may have moved away and back meanwhile.
+        node.apply_map(map(4, &[1, 2, 2, 1]), false, registration);
+        assert!(!cached(&node, 0) && !cached(&node, 3 * PPE));
+        assert_eq!(node.applied_epoch(), 4);
+        // Losing everything: no map, nothing cached, later maps of that
+        // registration ignored.
+        node.cache.get(0).unwrap();
+        node.lose_everything("test");
+        assert!(node.view().is_none() && !cached(&node, 0));
+        assert_eq!(node.applied_epoch(), 0);
+        node.apply_map(map(5, &[1, 1, 1, 1]), true, registration);
+        assert!(
+            node.view().is_none(),
+            "applied a map of a lost registration"
+        );
+    }
 }

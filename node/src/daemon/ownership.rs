@@ -4,10 +4,11 @@
 //!
 //! 1. Only an extent this node answers *from its cache* may have pages in
 //!    the cache: one it owns outright (no handoff), or one it hands off as
-//!    `previous_owner`. Applying a map evicts every cached page of every other
-//!    extent before anything is served under it, and when the epochs applied
-//!    are not consecutive (a skipped epoch may have moved an extent away and
-//!    back, with writes in between) it evicts every extent.
+//!    `previous_owner`. Applying a map refuses every other extent from the
+//!    moment it is installed and then evicts its pages (the next map waits
+//!    for that); when the epochs applied are not consecutive (a skipped epoch
+//!    may have moved an extent away and back, with writes in between) it
+//!    evicts every page before answering anything under the new map.
 //! 2. The new owner of an extent in handoff answers none of it (the previous
 //!    owner does, and may still be acknowledging writes under an older map):
 //!    it refuses it as moving.
