@@ -28,7 +28,6 @@ use pagewire_proto::auth::{AttachToken, TokenCheck};
 use pagewire_proto::net::{ClientTls, NetError, ServerTls};
 use pagewire_proto::v1::coordinator_server::CoordinatorServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::{Config, ConfigError};
 pub use persist::PersistError;
@@ -121,6 +120,7 @@ pub async fn run(
     let tick = Duration::from_millis((cfg.lease_ms / 20).clamp(10, 500));
     background.spawn(shared.clone().lease_loop(tick));
 
+    // TCP_NODELAY is set per accepted connection by `net::incoming`.
     let mut server = tonic::transport::Server::builder();
     if let (Some(cert_file), Some(key_file)) = (&cfg.tls.cert_file, &cfg.tls.key_file) {
         let tls = ServerTls {
@@ -151,7 +151,7 @@ pub async fn run(
     });
     let result = server
         .add_service(svc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
+        .serve_with_incoming_shutdown(pagewire_proto::net::incoming(grpc), shutdown)
         .await;
     background.abort_all();
     result?;

@@ -9,14 +9,21 @@
 //!
 //! When an extent moves from a live node A to a node B (B joins, A drains, A
 //! leaves through a rebalance), the new map names B as `owner` and A as
-//! `previous_owner`. B takes the extent as soon as it applies the map (it
-//! can serve any page of it at once by faulting it in from the backing file);
-//! A keeps serving it, so a reader with the older map is still answered. Once
-//! every new owner reports (in its heartbeat) that it applied the epoch, the
-//! coordinator publishes the next epoch with the handoff cleared and only then
-//! does A drop the extent. An extent whose owner died moves with no handoff:
-//! until its new owner applies the map, readers retry and fall back to reading
-//! the backing file themselves (the source of truth), as for any failed owner.
+//! `previous_owner`. A keeps answering reads of it, so a reader with either
+//! map is answered; B answers none of it yet (A, still at an older epoch, may
+//! be acknowledging writes to it), and nobody acknowledges writes to it. Once
+//! B and A both report (in a heartbeat) that they applied the epoch, the
+//! coordinator publishes the next epoch with the handoff cleared and A named
+//! in `released_by`: A drops the extent when it applies that epoch, B fills
+//! its cache from the backing file, and B acknowledges writes to it one lease
+//! (plus its drift margin) after it applied the map, when A has either
+//! applied it or lost its lease. `released_by` entries go at a later epoch
+//! once their node applied the release or lost its lease.
+//!
+//! An extent whose owner died moves with no handoff and no release: the dead
+//! node's own lease ran out before the coordinator's did. Until its new owner
+//! applies the map, readers retry and fall back to reading the backing file
+//! themselves (the source of truth), as for any failed owner.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -62,6 +69,10 @@ pub(crate) struct Cluster {
     epoch: u64,
     owner: Vec<u32>,
     previous: Vec<u32>,
+    /// `released_by` of the map (see `OwnershipMap`), and the epoch at which
+    /// each entry was released (0 where none).
+    released: Vec<u32>,
+    released_epoch: Vec<u64>,
     policy: Policy,
     map_tx: watch::Sender<Arc<OwnershipMap>>,
     metrics: Arc<Metrics>,
@@ -132,6 +143,8 @@ impl Cluster {
             epoch: 0,
             owner: Vec::new(),
             previous: Vec::new(),
+            released: Vec::new(),
+            released_epoch: Vec::new(),
             policy: config_policy,
             map_tx,
             metrics,
@@ -163,6 +176,10 @@ impl Cluster {
             c.epoch = map.epoch;
             c.owner = map.owner;
             c.previous = map.previous_owner;
+            // The release epochs are not saved: count them from now, which
+            // only keeps an entry longer.
+            c.released_epoch = vec![map.epoch; map.released_by.len()];
+            c.released = map.released_by;
             if let Some(p) = st.policy {
                 c.policy = p;
             }
@@ -229,6 +246,7 @@ impl Cluster {
             nodes: self.map_nodes(),
             owner: self.owner.clone(),
             previous_owner: self.previous.clone(),
+            released_by: self.released.clone(),
         }
     }
 
@@ -342,16 +360,24 @@ impl Cluster {
             .zip(self.owner.iter().chain(std::iter::repeat(&0)))
             .filter(|(a, b)| a != b)
             .count();
+        let (released, released_epoch) = self.releases(&owner, &previous, self.epoch + 1);
         let old = (
             std::mem::replace(&mut self.owner, owner),
             std::mem::replace(&mut self.previous, previous),
+            std::mem::replace(&mut self.released, released),
+            std::mem::replace(&mut self.released_epoch, released_epoch),
         );
         self.epoch += 1;
         self.settle_drains();
         if let Err(e) = self.save() {
             // Roll back: an epoch that is not on disk must not be published.
             self.epoch -= 1;
-            (self.owner, self.previous) = old;
+            (
+                self.owner,
+                self.previous,
+                self.released,
+                self.released_epoch,
+            ) = old;
             return Err(e);
         }
         tracing::info!(
@@ -364,6 +390,53 @@ impl Cluster {
         self.metrics.map_changes.inc();
         self.publish_current();
         Ok(true)
+    }
+
+    /// `released_by` for the map about to be published at `epoch` with these
+    /// owners and handoffs: the live node that answered an extent from its
+    /// cache at the current epoch (its previous owner in a handoff, else its
+    /// owner) and is neither owner nor previous owner any more; else the
+    /// entry carried over, while its node still holds a lease and has not
+    /// applied the epoch that released it. Empty when there is none.
+    fn releases(&self, owner: &[u32], previous: &[u32], epoch: u64) -> (Vec<u32>, Vec<u64>) {
+        let live: BTreeMap<u32, u64> = self
+            .members
+            .values()
+            .filter(|m| holds_lease(m.info.state()))
+            .map(|m| (m.info.index, m.info.applied_epoch))
+            .collect();
+        let mut released = vec![0u32; owner.len()];
+        let mut since = vec![0u64; owner.len()];
+        for (i, &new_owner) in owner.iter().enumerate() {
+            let new_prev = previous.get(i).copied().unwrap_or(0);
+            let old_prev = self.previous.get(i).copied().unwrap_or(0);
+            let old_server = if old_prev != 0 {
+                old_prev
+            } else {
+                self.owner.get(i).copied().unwrap_or(0)
+            };
+            if old_server != 0
+                && live.contains_key(&old_server)
+                && old_server != new_owner
+                && old_server != new_prev
+            {
+                released[i] = old_server;
+                since[i] = epoch;
+                continue;
+            }
+            let (r, at) = (
+                self.released.get(i).copied().unwrap_or(0),
+                self.released_epoch.get(i).copied().unwrap_or(0),
+            );
+            if r != 0 && r != new_owner && live.get(&r).is_some_and(|&applied| applied < at) {
+                released[i] = r;
+                since[i] = at;
+            }
+        }
+        if released.iter().all(|&r| r == 0) {
+            return (Vec::new(), Vec::new());
+        }
+        (released, since)
     }
 
     /// Draining nodes that own and hand off nothing are drained.
@@ -382,23 +455,34 @@ impl Cluster {
         }
     }
 
-    /// Clears the handoff once every new owner in it applied this epoch.
+    /// Clears the handoff once every new owner in it, and every previous
+    /// owner still holding a lease, applied this epoch: from then on no
+    /// previous owner acknowledges a write to a moving extent (it is not
+    /// its owner at this epoch), so its new owner may fill its cache.
     fn maybe_finish_handoff(&mut self) -> Result<(), CoordError> {
         if self.previous.is_empty() {
             return Ok(());
         }
-        let waiting: HashSet<u32> = self
+        let new_owners: HashSet<u32> = self
             .owner
             .iter()
             .zip(&self.previous)
             .filter(|(_, p)| **p != 0)
             .map(|(o, _)| *o)
             .collect();
-        let ready = waiting.iter().all(|idx| {
+        let previous: HashSet<u32> = self.previous.iter().copied().filter(|&p| p != 0).collect();
+        let applied = |idx: u32| {
             self.members
                 .values()
-                .any(|m| m.info.index == *idx && m.info.applied_epoch >= self.epoch)
-        });
+                .any(|m| m.info.index == idx && m.info.applied_epoch >= self.epoch)
+        };
+        let holds = |idx: u32| {
+            self.members
+                .values()
+                .any(|m| m.info.index == idx && holds_lease(m.info.state()))
+        };
+        let ready = new_owners.iter().all(|&i| applied(i))
+            && previous.iter().all(|&i| !holds(i) || applied(i));
         if ready {
             let owner = self.owner.clone();
             self.commit(owner, Vec::new(), "handoff complete")?;
@@ -759,6 +843,8 @@ mod tests {
         let b = c.register(reg("b")).unwrap();
         let e = c.epoch;
         assert!(c.previous.contains(&a.node_index));
+        assert!(c.released.is_empty(), "a still serves what it hands off");
+        let moving = c.previous.clone();
         // b has not applied yet: the handoff stays.
         c.heartbeat(HeartbeatRequest {
             node_id: "a".into(),
@@ -777,11 +863,49 @@ mod tests {
         .unwrap();
         assert_eq!(c.epoch, e + 1);
         assert!(c.previous.is_empty());
+        // The map names a as having released exactly what it handed off.
+        assert_eq!(c.released, moving);
+        assert_eq!(c.map().released_by, moving);
         let (owner, epoch) = (c.owner.clone(), c.epoch);
         drop(c);
         let c = open(dir.path());
         assert_eq!((c.owner.clone(), c.epoch), (owner, epoch));
         assert_eq!(c.members.len(), 2);
+    }
+
+    #[test]
+    fn a_handoff_waits_for_the_previous_owner_and_a_release_for_its_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let a = c.register(reg("a")).unwrap();
+        let b = c.register(reg("b")).unwrap();
+        let hb = |c: &mut Cluster, id: &str, incarnation: u64, applied_epoch: u64| {
+            c.heartbeat(HeartbeatRequest {
+                node_id: id.into(),
+                incarnation,
+                applied_epoch,
+                stats: None,
+            })
+            .unwrap();
+        };
+        let e = c.epoch;
+        // The new owner applied, the previous one not yet: a may still be at
+        // the epoch where it owned (and wrote) the moving extents.
+        hb(&mut c, "b", b.incarnation, e);
+        assert_eq!(c.epoch, e);
+        hb(&mut c, "a", a.incarnation, e - 1);
+        assert_eq!(c.epoch, e);
+        hb(&mut c, "a", a.incarnation, e);
+        assert_eq!(c.epoch, e + 1);
+        assert!(c.released.contains(&a.node_index));
+        // a applies the release; the entry goes at the next epoch.
+        hb(&mut c, "a", a.incarnation, e + 1);
+        c.register(reg("c")).unwrap();
+        assert!(
+            !c.released.contains(&a.node_index),
+            "a applied the epoch that released it: {:?}",
+            c.released.iter().filter(|&&r| r != 0).count()
+        );
     }
 
     #[test]

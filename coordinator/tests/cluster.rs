@@ -14,8 +14,8 @@ use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::coordinator_client::CoordinatorClient;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{
-    ClusterRangeRequest, FaultInRequest, GetMapRequest, OwnershipMap, PageRun, ReadRequest,
-    RegisterRequest, StatusRequest, WriteRequest,
+    ClusterRangeRequest, FaultInRequest, GetMapRequest, NodeRangeRequest, OwnershipMap, PageRun,
+    ReadRequest, RegisterRequest, StatsRequest, StatusRequest, WriteRequest,
 };
 use serde_json::Value;
 
@@ -63,6 +63,16 @@ struct Proc {
 }
 
 impl Proc {
+    /// Sends `signal` (a `kill -SIGNAL` name such as STOP or CONT).
+    fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill -{signal} {}", self.name);
+    }
+
     fn kill9(&mut self) {
         let _ = self.child.kill(); // SIGKILL
         let _ = self.child.wait();
@@ -249,6 +259,19 @@ impl Cluster {
                 && c.try_pwctl(&["status"])
                     .is_some_and(|s| s["epoch"].as_u64() == Some(epoch))
         });
+    }
+
+    /// Waits until the map gives every extent to a node other than
+    /// `index`, and returns it.
+    fn wait_moved(&self, index: u32) -> OwnershipMap {
+        let mut moved = None;
+        self.wait_for(&format!("node index {index}'s extents to move"), |c| {
+            let m = c.grpc_map();
+            let done = !m.owner.is_empty() && m.owner.iter().all(|&o| o != 0 && o != index);
+            moved = done.then_some(m);
+            done
+        });
+        moved.expect("map")
     }
 
     fn grpc_map(&self) -> OwnershipMap {
@@ -608,18 +631,17 @@ fn nodes_serve_their_extents_write_through_and_refuse_stale_maps() {
             .expect("node in map")
     };
     let ppe = EXTENT / PAGE;
-    // An extent of each node.
-    let e1 = map
-        .owner
-        .iter()
-        .position(|&o| o == map.owner[0])
-        .expect("extent") as u64;
+    // An extent no live node released (writes to a released one wait a
+    // lease), and one of the other node.
+    let e1 = (0..map.owner.len())
+        .find(|&e| map.released_by.get(e).copied().unwrap_or(0) == 0)
+        .expect("an extent nobody released");
     let other = map
         .owner
         .iter()
-        .position(|&o| o != map.owner[0])
+        .position(|&o| o != map.owner[e1])
         .expect("extent") as u64;
-    let (owner, page, foreign_page) = (map.owner[0], e1 * ppe + 1, other * ppe);
+    let (owner, page, foreign_page) = (map.owner[e1], e1 as u64 * ppe + 1, other * ppe);
     let epoch = map.epoch;
     let addr = addr_of(owner);
     let backing = c.path("data.bin");
@@ -700,5 +722,345 @@ fn nodes_serve_their_extents_write_through_and_refuse_stale_maps() {
             .expect_err("foreign extent");
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
         assert!(e.message().contains("stale map"), "{e:?}");
+    });
+}
+
+// ---- Ownership, leases and writes (ARCHITECTURE.md) -----------------------
+
+type NodeRpc = NodeClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
+>;
+
+async fn node_client(map: &OwnershipMap, index: u32) -> NodeRpc {
+    let addr = map
+        .nodes
+        .iter()
+        .find(|n| n.index == index)
+        .map(|n| n.grpc_address.clone())
+        .expect("node in map");
+    let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(5))
+        .await
+        .expect("connect node");
+    NodeClient::with_interceptor(ch, AttachToken::new(TOKEN).expect("token"))
+}
+
+fn index_of(map: &OwnershipMap, id: &str) -> u32 {
+    map.nodes
+        .iter()
+        .find(|n| n.node_id == id)
+        .map(|n| n.index)
+        .expect("node in map")
+}
+
+fn one(page: u64) -> Option<PageRun> {
+    Some(PageRun {
+        first_page: page,
+        page_count: 1,
+    })
+}
+
+async fn read_page(n: &mut NodeRpc, page: u64, map_epoch: u64) -> Result<Vec<u8>, tonic::Status> {
+    n.read(ReadRequest {
+        run: one(page),
+        map_epoch,
+    })
+    .await
+    .map(|r| r.into_inner().data)
+}
+
+/// Retries `call` while the node says to (not there yet, moving, fenced,
+/// behind), for up to `limit`.
+async fn retrying<T, F, Fut>(limit: Duration, mut call: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let start = Instant::now();
+    loop {
+        match call().await {
+            Ok(v) => return v,
+            Err(s)
+                if start.elapsed() < limit
+                    && (s.code() == tonic::Code::Unavailable
+                        || s.message().contains("stale map")) =>
+            {
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Err(s) => panic!("gave up after {:?}: {s:?}", start.elapsed()),
+        }
+    }
+}
+
+/// The first page of an extent owned by `index` (outright) in `map`.
+fn page_of(map: &OwnershipMap, index: u32) -> u64 {
+    let e = (0..map.owner.len())
+        .find(|&e| map.owner[e] == index && map.previous_owner.get(e).copied().unwrap_or(0) == 0)
+        .expect("an extent of the node");
+    e as u64 * (EXTENT / PAGE) + 3
+}
+
+#[test]
+fn a_non_owner_asked_with_epoch_0_refuses_and_caches_nothing() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    c.start_node("o1", 512);
+    c.start_node("o2", 512);
+    c.wait_stable(2);
+    let map = c.grpc_map();
+    let (i1, i2) = (index_of(&map, "o1"), index_of(&map, "o2"));
+    let page = page_of(&map, i2);
+    rt().block_on(async move {
+        let mut n1 = node_client(&map, i1).await;
+        let stale = |r: Result<(), tonic::Status>, what: &str| {
+            let e = r.expect_err(what);
+            assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{what}: {e:?}");
+            assert!(e.message().contains("stale map"), "{what}: {e:?}");
+        };
+        for epoch in [0, map.epoch - 1, map.epoch] {
+            stale(read_page(&mut n1, page, epoch).await.map(drop), "read");
+            stale(
+                n1.fault_in(FaultInRequest {
+                    run: one(page),
+                    want_data: true,
+                    map_epoch: epoch,
+                })
+                .await
+                .map(drop),
+                "fault_in",
+            );
+            stale(
+                n1.warm(NodeRangeRequest {
+                    run: one(page),
+                    map_epoch: epoch,
+                })
+                .await
+                .map(drop),
+                "warm",
+            );
+            stale(
+                n1.write(WriteRequest {
+                    page,
+                    data: vec![7; PAGE as usize],
+                    map_epoch: epoch,
+                })
+                .await
+                .map(drop),
+                "write",
+            );
+        }
+        // A caller ahead of the node is told the node is behind.
+        let e = read_page(&mut n1, page, map.epoch + 1)
+            .await
+            .expect_err("ahead");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(e.message().contains("behind"), "{e:?}");
+        let stats = n1
+            .stats(StatsRequest {})
+            .await
+            .expect("stats")
+            .into_inner()
+            .stats
+            .expect("stats");
+        assert_eq!(stats.pages_resident, 0, "the non-owner cached pages");
+        // The owner answers a caller that sends no epoch: its map decides.
+        let mut n2 = node_client(&map, i2).await;
+        let data = read_page(&mut n2, page, 0).await.expect("owner read");
+        assert_eq!(data.len() as u64, PAGE);
+    });
+}
+
+/// Bytes of a page that differ from the sparse file's zeros.
+fn written(page: u64) -> Vec<u8> {
+    (0..PAGE).map(|i| ((i + page) % 251) as u8 + 1).collect()
+}
+
+#[test]
+fn a_frozen_owner_answers_no_queued_read_with_pre_write_bytes() {
+    let lease_ms = 1000;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["f1", "f2", "f3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let map = c.grpc_map();
+    let victim = index_of(&map, "f2");
+    let page = page_of(&map, victim);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut old_client = rt.block_on(node_client(&map, victim));
+    let before = rt
+        .block_on(read_page(&mut old_client, page, map.epoch))
+        .expect("read before");
+    assert_eq!(before, vec![0u8; PAGE as usize]);
+
+    c.node("f2").signal("STOP");
+    let queued: Vec<_> = (0..4)
+        .map(|_| {
+            let mut n = old_client.clone();
+            let epoch = map.epoch;
+            rt.spawn(async move {
+                tokio::time::timeout(Duration::from_secs(20), read_page(&mut n, page, epoch)).await
+            })
+        })
+        .collect();
+    let moved = c.wait_moved(victim);
+    let new_owner = moved.owner[(page / (EXTENT / PAGE)) as usize];
+    let data = written(page);
+    let acked = rt.block_on(async {
+        let n = node_client(&moved, new_owner).await;
+        retrying(Duration::from_secs(5), || {
+            let mut n = n.clone();
+            let data = data.clone();
+            async move {
+                n.write(WriteRequest {
+                    page,
+                    data,
+                    map_epoch: moved.epoch,
+                })
+                .await
+            }
+        })
+        .await;
+        Instant::now()
+    });
+    c.node("f2").signal("CONT");
+    let mut errors = 0;
+    for q in queued {
+        match rt.block_on(q).expect("task") {
+            Err(_) => panic!("a queued read got no answer in 20 s"),
+            Ok(Err(_)) => errors += 1,
+            Ok(Ok(bytes)) => assert_eq!(
+                bytes, data,
+                "the frozen node answered a queued read with pre-write bytes after the write was acknowledged"
+            ),
+        }
+    }
+    // And it keeps answering nothing old after it woke.
+    let fresh = rt.block_on(async {
+        let mut errors = 0;
+        for _ in 0..10 {
+            match read_page(&mut old_client, page, 0).await {
+                Ok(bytes) => assert_eq!(bytes, data, "pre-write bytes after waking"),
+                Err(_) => errors += 1,
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        errors
+    });
+    eprintln!(
+        "MEASURE frozen owner: {errors} of 4 queued reads refused, {fresh} of 10 fresh reads \
+         refused; write acknowledged {} ms before SIGCONT",
+        acked.elapsed().as_millis()
+    );
+}
+
+#[test]
+fn a_node_that_loses_extents_and_regains_them_never_serves_pre_write_bytes() {
+    let lease_ms = 1000;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["g1", "g2", "g3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let map = c.grpc_map();
+    let victim = index_of(&map, "g2");
+    let page = page_of(&map, victim);
+    let extent = (page / (EXTENT / PAGE)) as usize;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut g2 = rt.block_on(node_client(&map, victim));
+    let before = rt
+        .block_on(read_page(&mut g2, page, map.epoch))
+        .expect("read before");
+    assert_eq!(before, vec![0u8; PAGE as usize], "g2 caches the page");
+
+    // g2 is frozen; the coordinator restarts meanwhile, so g2's map stream
+    // is gone when the restarted coordinator declares it dead and moves its
+    // extents: g2 wakes to a refused heartbeat without ever having seen the
+    // epoch that dropped it (the path that once kept its cached pages).
+    c.node("g2").signal("STOP");
+    c.coord.as_mut().expect("coordinator").kill9();
+    c.start_coordinator();
+    let moved = c.wait_moved(victim);
+    let data = written(page);
+    rt.block_on(async {
+        let n = node_client(&moved, moved.owner[extent]).await;
+        retrying(Duration::from_secs(5), || {
+            let mut n = n.clone();
+            let data = data.clone();
+            async move {
+                n.write(WriteRequest {
+                    page,
+                    data,
+                    map_epoch: moved.epoch,
+                })
+                .await
+            }
+        })
+        .await;
+    });
+    c.node("g2").signal("CONT");
+    // From the moment it wakes until it serves the extent again, whatever
+    // g2 answers for the page is the written bytes.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let poller = {
+        let (stop, data) = (stop.clone(), data.clone());
+        rt.spawn(async move {
+            let (mut answered, mut refused) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match read_page(&mut g2, page, 0).await {
+                    Ok(bytes) => {
+                        assert_eq!(bytes, data, "g2 served pre-write bytes");
+                        answered += 1;
+                    }
+                    Err(_) => refused += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (answered, refused)
+        })
+    };
+    c.wait_stable(3);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (answered, refused) = rt.block_on(poller).expect("g2 served pre-write bytes");
+    eprintln!("MEASURE waking g2: {answered} reads answered, {refused} refused");
+    let back = c.grpc_map();
+    assert_eq!(back.owner[extent], victim, "g2 owns the extent again");
+    rt.block_on(async {
+        let mut n = node_client(&back, victim).await;
+        let got = retrying(Duration::from_secs(5), || {
+            let mut n = n.clone();
+            async move { read_page(&mut n, page, back.epoch).await }
+        })
+        .await;
+        assert_eq!(
+            got, data,
+            "g2 served pre-write bytes after regaining the extent"
+        );
+        // Writes through g2 go again once the node that held the extent
+        // meanwhile can no longer answer from its map (one lease + margin).
+        let again = written(page + 1);
+        retrying(Duration::from_secs(5), || {
+            let mut n = n.clone();
+            let again = again.clone();
+            async move {
+                n.write(WriteRequest {
+                    page,
+                    data: again,
+                    map_epoch: back.epoch,
+                })
+                .await
+            }
+        })
+        .await;
+        assert_eq!(
+            read_page(&mut n, page, back.epoch).await.expect("read"),
+            again
+        );
     });
 }

@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{
     Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
 };
@@ -71,7 +73,15 @@ impl ServerTls {
     }
 }
 
-/// Builds an endpoint for `address` (`host:port` or a full `http(s)://` URL),
+/// The connections a gRPC server accepts on `listener`, with `TCP_NODELAY`
+/// set on each. tonic ignores `Server::tcp_nodelay` for a listener it did
+/// not bind itself, and without it a small response can wait for the peer's
+/// delayed ACK (about 40 ms on Linux) behind Nagle's algorithm.
+pub fn incoming(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// Builds an endpoint (`TCP_NODELAY` on) for `address` (`host:port` or a full `http(s)://` URL),
 /// with TLS when `tls` is given.
 pub fn endpoint(
     address: &str,
@@ -126,4 +136,22 @@ pub fn connect_lazy(
     connect_timeout: Duration,
 ) -> Result<Channel, NetError> {
     Ok(endpoint(address, tls, connect_timeout)?.connect_lazy())
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt;
+
+    #[tokio::test]
+    async fn accepted_connections_have_nodelay() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut incoming = super::incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(
+            accepted.nodelay().unwrap(),
+            "TCP_NODELAY is off on the server side"
+        );
+    }
 }

@@ -63,6 +63,9 @@ mod cli {
         /// Capacity announced to the coordinator (default: frames x page size).
         #[arg(long)]
         capacity_bytes: Option<u64>,
+        /// Milliseconds this node takes off its lease against clock drift.
+        #[arg(long)]
+        clock_drift_margin_ms: Option<u64>,
         /// Log filter.
         #[arg(long)]
         log: Option<String>,
@@ -93,6 +96,7 @@ mod cli {
         set!(cache.frames = args.frames);
         set!(cache.page_size = args.page_size);
         set!(capacity_bytes = args.capacity_bytes);
+        set!(clock_drift_margin_ms = args.clock_drift_margin_ms);
         set!(log = args.log);
         if let Some(v) = args.token_file {
             cfg.token = String::new();

@@ -5,15 +5,21 @@
 //! * Heartbeat every interval the coordinator asked for, carrying the applied
 //!   map epoch and the cache counters; a reply that says the node was declared
 //!   dead or re-registered elsewhere sends it back to registration.
-//! * Watch the map: for each new epoch, drop (evict) the extents this node
-//!   neither owns nor hands off any more, start serving the new ones (a page
-//!   of a new extent is faulted in from the backing file on first use), then
-//!   heartbeat at once so the coordinator can finish the handoff.
+//!   A heartbeat renews this node's own lease ([`super::lease`]) only when
+//!   the node had applied the coordinator's current epoch when it sent it.
+//! * Watch the map: each new epoch is applied by [`Node::apply_map`] on the
+//!   blocking pool (so a cancelled watcher cannot stop it halfway): it
+//!   refuses at once what this node no longer answers from its cache and
+//!   evicts it (everything, before answering anything, when epochs were
+//!   skipped); then heartbeat at once so the coordinator can finish the
+//!   handoff.
+//! * Whenever this node must register again (declared dead, lease lapsed),
+//!   it first loses everything ([`Node::lose_everything`]): the extents it
+//!   held may have moved and been written meanwhile.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::{self, ClientTls};
@@ -26,7 +32,7 @@ use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use super::{Config, DaemonError, MapView, Node};
+use super::{Config, DaemonError, Node};
 
 type Client = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
 
@@ -121,9 +127,12 @@ impl Agent {
     pub(crate) async fn run(&self) -> Result<(), DaemonError> {
         loop {
             self.register().await?;
-            let watcher = tokio::spawn(self.clone().watch_loop());
-            self.heartbeat_loop().await;
+            let generation = self.node.generation.load(Ordering::Acquire);
+            let watcher = tokio::spawn(self.clone().watch_loop(generation));
+            let why = self.heartbeat_loop().await;
             watcher.abort();
+            let node = self.node.clone();
+            let _ = tokio::task::spawn_blocking(move || node.lose_everything(why)).await;
         }
     }
 
@@ -132,6 +141,8 @@ impl Agent {
         loop {
             let mut req = self.register.clone();
             req.transports = transports(&self.node);
+            let sent = Instant::now();
+            let generation = self.node.generation.load(Ordering::Acquire);
             match self.client.clone().register(request(req)).await {
                 Ok(resp) => {
                     let r = resp.into_inner();
@@ -149,9 +160,17 @@ impl Agent {
                         lease_ms = r.lease_ms,
                         "registered with the coordinator"
                     );
+                    let lease = Duration::from_millis(r.lease_ms);
+                    *self
+                        .node
+                        .lease_len
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = lease;
                     if let Some(map) = r.map {
-                        self.apply_map(map).await;
+                        self.apply_map(map, true, generation).await;
                     }
+                    // The registration granted a lease for the map it carried.
+                    self.node.lease.renew(sent, lease);
                     *self.interval.lock().unwrap_or_else(|e| e.into_inner()) =
                         Duration::from_millis(r.heartbeat_interval_ms.max(10));
                     return Ok(());
@@ -178,27 +197,49 @@ impl Agent {
         *self.interval.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns when the node must register again.
-    async fn heartbeat_loop(&self) {
+    /// Returns (why) when the node must register again.
+    async fn heartbeat_loop(&self) -> &'static str {
         let mut failing = false;
         loop {
             tokio::select! {
                 () = tokio::time::sleep(self.interval()) => {}
                 () = self.node.heartbeat_now.notified() => {}
             }
+            if self.node.lease.lapsed() {
+                tracing::warn!("lease lapsed without a renewal; registering again");
+                return "lease lapsed";
+            }
+            let applied = self.node.applied_epoch();
             let req = HeartbeatRequest {
                 node_id: self.node.node_id.clone(),
                 incarnation: self.node.incarnation.load(Ordering::Relaxed),
-                applied_epoch: self.node.applied_epoch(),
+                applied_epoch: applied,
                 stats: Some(self.node.stats()),
             };
+            let sent = Instant::now();
             match self.client.clone().heartbeat(request(req)).await {
                 Ok(resp) => {
                     if failing {
                         tracing::info!("heartbeats go through again");
                         failing = false;
                     }
-                    if let Some(p) = resp.into_inner().policy {
+                    let resp = resp.into_inner();
+                    let lease = Duration::from_millis(resp.lease_ms);
+                    *self
+                        .node
+                        .lease_len
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = lease;
+                    if resp.map_epoch <= applied {
+                        self.node.lease.renew(sent, lease);
+                    } else {
+                        tracing::debug!(
+                            applied,
+                            current = resp.map_epoch,
+                            "behind the coordinator's map: lease not renewed"
+                        );
+                    }
+                    if let Some(p) = resp.policy {
                         self.apply_policy(p);
                     }
                 }
@@ -207,7 +248,7 @@ impl Agent {
                         message = s.message(),
                         "the coordinator no longer knows this registration; registering again"
                     );
-                    return;
+                    return "declared dead";
                 }
                 Err(s) => {
                     self.node.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
@@ -220,7 +261,7 @@ impl Agent {
         }
     }
 
-    async fn watch_loop(self) {
+    async fn watch_loop(self, generation: u64) {
         let mut backoff = Duration::from_millis(100);
         loop {
             match self
@@ -238,7 +279,7 @@ impl Agent {
                                 // The first map of a stream is the coordinator's
                                 // current one: authoritative even if its epoch
                                 // went down (a coordinator started afresh).
-                                self.apply_map_inner(map, first).await;
+                                self.apply_map(map, first, generation).await;
                                 first = false;
                                 backoff = Duration::from_millis(100);
                             }
@@ -259,68 +300,12 @@ impl Agent {
         }
     }
 
-    async fn apply_map(&self, map: OwnershipMap) {
-        self.apply_map_inner(map, true).await;
-    }
-
-    async fn apply_map_inner(&self, map: OwnershipMap, authoritative: bool) {
-        let old = self.node.view();
-        if let Some(old) = &old
-            && (map.epoch < old.map.epoch || (map.epoch == old.map.epoch && !authoritative))
-        {
-            return;
-        }
-        let page_size = self.node.cache.page_size() as u64;
-        if map.extent_size == 0 || !map.extent_size.is_multiple_of(page_size) {
-            tracing::error!(
-                extent_size = map.extent_size,
-                page_size,
-                "map has an extent size this node cannot use; ignored"
-            );
-            return;
-        }
-        let view = MapView {
-            me: self.node.index.load(Ordering::Relaxed),
-            pages_per_extent: map.extent_size / page_size,
-            map: Arc::new(map),
-        };
-        let held = |v: &MapView| -> BTreeSet<usize> {
-            (0..v.map.owner.len()).filter(|&e| v.serves(e)).collect()
-        };
-        let new_held = held(&view);
-        let dropped: Vec<usize> = old
-            .as_ref()
-            .map(|o| held(o).difference(&new_held).copied().collect())
-            .unwrap_or_default();
-        let gained = match &old {
-            Some(o) => new_held.difference(&held(o)).count(),
-            None => new_held.len(),
-        };
-        let (epoch, ppe) = (view.map.epoch, view.pages_per_extent);
-        let owned = view.owned();
-        // Install first: from here on, calls for dropped extents are refused
-        // as stale, so nothing faults them back in while they are evicted.
-        *self.node.view.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(view));
-        let mut evicted = 0;
-        if !dropped.is_empty() {
-            let cache = self.node.cache.clone();
-            evicted = tokio::task::spawn_blocking(move || {
-                dropped
-                    .iter()
-                    .map(|&e| cache.evict_range(e as u64 * ppe, ppe).0)
-                    .sum::<u64>()
-            })
-            .await
-            .unwrap_or(0);
-        }
-        tracing::info!(
-            epoch,
-            owned,
-            gained,
-            evicted_pages = evicted,
-            "applied ownership map"
-        );
-        self.node.heartbeat_now.notify_one();
+    /// Applies `map` on the blocking pool; it runs to the end even if this
+    /// future is dropped.
+    async fn apply_map(&self, map: OwnershipMap, authoritative: bool, generation: u64) {
+        let node = self.node.clone();
+        let _ = tokio::task::spawn_blocking(move || node.apply_map(map, authoritative, generation))
+            .await;
     }
 
     fn apply_policy(&self, p: pagewire_proto::v1::Policy) {

@@ -20,6 +20,7 @@ pub(crate) struct Config {
     pub(crate) token_file: Option<PathBuf>,
     pub(crate) capacity_bytes: u64,
     pub(crate) max_pages_per_call: u64,
+    pub(crate) clock_drift_margin_ms: u64,
     pub(crate) leave_on_shutdown: bool,
     pub(crate) log: String,
     pub(crate) cache: CacheSection,
@@ -61,6 +62,7 @@ impl Default for Config {
             token_file: None,
             capacity_bytes: 0,
             max_pages_per_call: 1024,
+            clock_drift_margin_ms: 100,
             leave_on_shutdown: true,
             log: "info".into(),
             cache: CacheSection::default(),
@@ -143,6 +145,12 @@ impl Config {
         }
         if self.max_pages_per_call == 0 || self.max_pages_per_call > 1 << 16 {
             return Err(invalid("max_pages_per_call", "must be in 1..=65536"));
+        }
+        if self.clock_drift_margin_ms > 60_000 {
+            return Err(invalid(
+                "clock_drift_margin_ms",
+                "must be at most 60000 (and below the coordinator's lease)",
+            ));
         }
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid("tls", "cert_file and key_file go together"));

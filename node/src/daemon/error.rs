@@ -34,8 +34,24 @@ pub(crate) enum DaemonError {
     InvalidArgument(String),
     #[error("stale map: {0}")]
     StaleMap(String),
+    #[error(
+        "stale map: this node has applied epoch {node}, behind your epoch {yours}; retry shortly"
+    )]
+    NodeBehind { node: u64, yours: u64 },
     #[error("this node has no ownership map yet; retry")]
     NoMap,
+    #[error(
+        "lease expired: this node may no longer answer for its extents; refresh the map and retry"
+    )]
+    LeaseExpired,
+    #[error(
+        "extent {extent} is moving to this node; its previous owner (node index {from}) answers it until the handoff completes"
+    )]
+    Moving { extent: usize, from: u32 },
+    #[error(
+        "writes to extent {extent} wait {wait_ms} ms more: a node that served it before may still answer reads from an older map"
+    )]
+    WritesFenced { extent: usize, wait_ms: u64 },
     #[error(transparent)]
     Read(#[from] pagewire_node::ReadError),
     #[error(transparent)]
@@ -54,8 +70,13 @@ impl From<DaemonError> for tonic::Status {
             | DaemonError::Write(WriteError::BeyondEnd { .. } | WriteError::WrongLength { .. }) => {
                 tonic::Status::invalid_argument(msg)
             }
-            DaemonError::StaleMap(_) => tonic::Status::failed_precondition(msg),
-            DaemonError::NoMap => tonic::Status::unavailable(msg),
+            DaemonError::StaleMap(_) | DaemonError::NodeBehind { .. } => {
+                tonic::Status::failed_precondition(msg)
+            }
+            DaemonError::NoMap
+            | DaemonError::LeaseExpired
+            | DaemonError::Moving { .. }
+            | DaemonError::WritesFenced { .. } => tonic::Status::unavailable(msg),
             DaemonError::Read(ReadError::NoFrame)
             | DaemonError::Write(WriteError::NoFrame | WriteError::Read(ReadError::NoFrame)) => {
                 tonic::Status::resource_exhausted(msg)

@@ -84,6 +84,18 @@ impl prometheus_client::collector::Collector for NodeCollector {
         )?;
         counter(
             &mut enc,
+            "lease_rejections",
+            "Calls refused because this node's lease had run out",
+            n.lease_rejections.load(Ordering::Relaxed),
+        )?;
+        gauge(
+            &mut enc,
+            "lease_valid",
+            "1 while this node's own lease holds",
+            u64::from(n.lease.valid()),
+        )?;
+        counter(
+            &mut enc,
             "heartbeat_failures",
             "Heartbeats that did not reach the coordinator",
             n.heartbeat_failures.load(Ordering::Relaxed),

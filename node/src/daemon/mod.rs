@@ -10,13 +10,15 @@
 mod agent;
 pub(crate) mod config;
 mod error;
+mod lease;
 mod metrics;
+mod ownership;
 mod service;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pagewire_node::PageCache;
 use pagewire_proto::auth::{AttachToken, TokenCheck};
@@ -25,44 +27,40 @@ use pagewire_proto::v1::node_server::NodeServer;
 use pagewire_proto::v1::{NodeStats, OwnershipMap, Policy};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub(crate) use config::Config;
 pub(crate) use error::DaemonError;
-
-/// The map as this node applied it.
-pub(crate) struct MapView {
-    pub(crate) map: Arc<OwnershipMap>,
-    pub(crate) me: u32,
-    pub(crate) pages_per_extent: u64,
-}
-
-impl MapView {
-    fn extent_of(&self, page: u64) -> usize {
-        usize::try_from(page / self.pages_per_extent).unwrap_or(usize::MAX)
-    }
-
-    /// Whether this node serves `extent`: it owns it, or hands it off.
-    pub(crate) fn serves(&self, extent: usize) -> bool {
-        self.map.owner.get(extent) == Some(&self.me)
-            || self.map.previous_owner.get(extent) == Some(&self.me)
-    }
-
-    pub(crate) fn owned(&self) -> u64 {
-        self.map.owner.iter().filter(|&&o| o == self.me).count() as u64
-    }
-}
+use lease::Lease;
+pub(crate) use ownership::{MapView, PageSource};
 
 /// State shared by the gRPC service, the coordinator agent and metrics.
 pub(crate) struct Node {
     pub(crate) node_id: String,
     pub(crate) cache: Arc<PageCache>,
+    /// The applied map. A data call holds a read guard from its ownership
+    /// check until its cache work is done, so installing a new map waits for
+    /// the calls admitted under the old one, and nothing admitted under the
+    /// old one can fault a page of a dropped extent in after its eviction.
     pub(crate) view: RwLock<Option<Arc<MapView>>>,
+    /// Serialises map application, evictions included.
+    apply_lock: Mutex<()>,
+    /// Epoch whose application (evictions included) completed; 0: none.
+    pub(crate) applied: AtomicU64,
+    /// Bumped each time this node loses everything: an application started
+    /// for an older registration is dropped.
+    pub(crate) generation: AtomicU64,
+    pub(crate) lease: Lease,
+    /// Lease length the coordinator last announced.
+    pub(crate) lease_len: Mutex<Duration>,
+    /// Where pages of extents this node does not serve come from (None:
+    /// refused as a stale map).
+    pub(crate) page_source: Option<Arc<dyn PageSource>>,
     pub(crate) index: AtomicU32,
     pub(crate) incarnation: AtomicU64,
     pub(crate) policy: Mutex<Policy>,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) stale_rejections: AtomicU64,
+    pub(crate) lease_rejections: AtomicU64,
     pub(crate) heartbeat_failures: AtomicU64,
     pub(crate) registrations: AtomicU64,
     pub(crate) max_pages_per_call: u64,
@@ -71,12 +69,118 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    fn new(cfg: &Config, node_id: String, cache: PageCache) -> Self {
+        Node {
+            node_id,
+            cache: Arc::new(cache),
+            view: RwLock::new(None),
+            apply_lock: Mutex::new(()),
+            applied: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            lease: Lease::new(Duration::from_millis(cfg.clock_drift_margin_ms)),
+            lease_len: Mutex::new(Duration::ZERO),
+            page_source: None,
+            index: AtomicU32::new(0),
+            incarnation: AtomicU64::new(0),
+            policy: Mutex::new(Policy::default()),
+            bytes_served: AtomicU64::new(0),
+            stale_rejections: AtomicU64::new(0),
+            lease_rejections: AtomicU64::new(0),
+            heartbeat_failures: AtomicU64::new(0),
+            registrations: AtomicU64::new(0),
+            max_pages_per_call: cfg.max_pages_per_call,
+            heartbeat_now: Notify::new(),
+        }
+    }
+
     pub(crate) fn view(&self) -> Option<Arc<MapView>> {
         self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The epoch whose application completed (what heartbeats report).
     pub(crate) fn applied_epoch(&self) -> u64 {
-        self.view().map_or(0, |v| v.map.epoch)
+        self.applied.load(Ordering::Acquire)
+    }
+
+    /// Applies `map` (blocking: evictions read the cache), unless it is older
+    /// than the applied one (or the same, when not `authoritative`), or was
+    /// received for a registration this node has since lost (`generation`).
+    /// Runs to the end once started: callers await it on the blocking pool,
+    /// where a cancelled caller does not stop it.
+    pub(crate) fn apply_map(&self, map: OwnershipMap, authoritative: bool, generation: u64) {
+        let _serial = self.apply_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if self.generation.load(Ordering::Acquire) != generation {
+            tracing::debug!(epoch = map.epoch, "map for a lost registration; ignored");
+            return;
+        }
+        let old = self.view();
+        if let Some(old) = &old
+            && (map.epoch < old.map.epoch && !authoritative
+                || (map.epoch == old.map.epoch && (!authoritative || *old.map == map)))
+        {
+            return;
+        }
+        let page_size = self.cache.page_size() as u64;
+        if map.extent_size == 0 || !map.extent_size.is_multiple_of(page_size) {
+            tracing::error!(
+                extent_size = map.extent_size,
+                page_size,
+                "map has an extent size this node cannot use; ignored"
+            );
+            return;
+        }
+        let fence = *self.lease_len.lock().unwrap_or_else(|e| e.into_inner()) + self.lease.margin();
+        let ppe = map.extent_size / page_size;
+        let plan = MapView::plan(
+            old.as_deref(),
+            map,
+            self.index.load(Ordering::Relaxed),
+            ppe,
+            fence,
+            Instant::now(),
+        );
+        let (epoch, owned) = (plan.view.map.epoch, plan.view.owned());
+        let evicted = if plan.evict_all {
+            // Any cached page may be stale: answer nothing until every page
+            // is gone (taking the write lock waits for the calls admitted
+            // under the old view).
+            *self.view.write().unwrap_or_else(|e| e.into_inner()) = None;
+            let n = self.cache.evict_range(0, self.cache.pages()).0;
+            *self.view.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(plan.view));
+            n
+        } else {
+            // Install first (waiting for the calls admitted under the old
+            // view): from here on, calls for dropped extents are refused, so
+            // nothing faults them back in while they are evicted, and what
+            // the new view answers from the cache it answered before.
+            *self.view.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(plan.view));
+            plan.evict
+                .iter()
+                .map(|&e| self.cache.evict_range(e as u64 * ppe, ppe).0)
+                .sum::<u64>()
+        };
+        self.applied.store(epoch, Ordering::Release);
+        tracing::info!(
+            epoch,
+            owned,
+            evicted_pages = evicted,
+            all = plan.evict_all,
+            "applied ownership map"
+        );
+        self.heartbeat_now.notify_one();
+    }
+
+    /// Treats every extent as lost (lease lapsed, declared dead, leaving):
+    /// stops answering, drops the map and evicts the whole cache. A later
+    /// map starts from nothing. Blocking, like [`Node::apply_map`].
+    pub(crate) fn lose_everything(&self, why: &str) {
+        self.lease.revoke();
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let _serial = self.apply_lock.lock().unwrap_or_else(|e| e.into_inner());
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = None;
+        let evicted = self.cache.evict_range(0, self.cache.pages()).0;
+        self.applied.store(0, Ordering::Release);
+        tracing::warn!(why, evicted_pages = evicted, "lost every extent");
     }
 
     pub(crate) fn stats(&self) -> NodeStats {
@@ -129,20 +233,7 @@ pub(crate) async fn run(
         placement = %cache.placement().how,
         "cache open"
     );
-    let node = Arc::new(Node {
-        node_id,
-        cache: Arc::new(cache),
-        view: RwLock::new(None),
-        index: AtomicU32::new(0),
-        incarnation: AtomicU64::new(0),
-        policy: Mutex::new(Policy::default()),
-        bytes_served: AtomicU64::new(0),
-        stale_rejections: AtomicU64::new(0),
-        heartbeat_failures: AtomicU64::new(0),
-        registrations: AtomicU64::new(0),
-        max_pages_per_call: cfg.max_pages_per_call,
-        heartbeat_now: Notify::new(),
-    });
+    let node = Arc::new(Node::new(&cfg, node_id, cache));
 
     let grpc = bind(&cfg.listen).await?;
     let grpc_addr: SocketAddr = grpc.local_addr().map_err(|source| DaemonError::Bind {
@@ -200,6 +291,7 @@ pub(crate) async fn run(
         Duration::from_millis(200),
     ));
 
+    // TCP_NODELAY is set per accepted connection by `net::incoming`.
     let mut server = tonic::transport::Server::builder();
     if let (Some(cert_file), Some(key_file)) = (&cfg.tls.cert_file, &cfg.tls.key_file) {
         let tls = ServerTls {
@@ -225,17 +317,19 @@ pub(crate) async fn run(
         "node listening"
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serve =
-        server
-            .add_service(svc)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async {
-                let _ = stop_rx.await;
-            });
+    let serve = server.add_service(svc).serve_with_incoming_shutdown(
+        pagewire_proto::net::incoming(grpc),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
     tokio::pin!(serve);
     let outcome = tokio::select! {
         r = &mut serve => r.map_err(DaemonError::from),
         Some(e) = fatal_rx.recv() => Err(e),
         () = shutdown => {
+            // Stop answering before the coordinator can move anything.
+            node.lease.revoke();
             if cfg.leave_on_shutdown {
                 agent.leave().await;
             }
@@ -245,4 +339,83 @@ pub(crate) async fn run(
     let _ = stop_tx.send(());
     tasks.abort_all();
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use pagewire_node::{CacheConfig, PageCache};
+    use pagewire_proto::v1::OwnershipMap;
+
+    use super::{Config, Node};
+
+    const PAGE: u64 = 4096;
+    /// Four extents of four pages.
+    const PPE: u64 = 4;
+
+    fn node() -> (tempfile::TempDir, Node) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data.bin");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(4 * PPE * PAGE)
+            .unwrap();
+        let cache = PageCache::open(
+            &path,
+            CacheConfig {
+                frames: 64,
+                readahead_max: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let node = Node::new(&Config::default(), "t".into(), cache);
+        node.index.store(1, Ordering::Relaxed);
+        (dir, node)
+    }
+
+    fn map(epoch: u64, owner: &[u32]) -> OwnershipMap {
+        OwnershipMap {
+            epoch,
+            extent_size: PPE * PAGE,
+            page_size: PAGE as u32,
+            owner: owner.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn cached(node: &Node, page: u64) -> bool {
+        node.cache.lookup(page).is_some()
+    }
+
+    #[test]
+    fn applying_maps_evicts_what_is_no_longer_served_and_everything_after_a_gap() {
+        let (_dir, node) = node();
+        let registration = node.generation.load(Ordering::Acquire);
+        node.apply_map(map(1, &[1, 1, 2, 1]), true, registration);
+        assert_eq!(node.applied_epoch(), 1);
+        for p in [0, PPE, 3 * PPE] {
+            node.cache.get(p).unwrap();
+        }
+        // Consecutive epoch: extent 1 goes (evicted), 0 and 3 stay cached.
+        node.apply_map(map(2, &[1, 2, 2, 1]), false, registration);
+        assert!(cached(&node, 0) && cached(&node, 3 * PPE));
+        assert!(!cached(&node, PPE), "a dropped extent kept its pages");
+        // A skipped epoch: extent 0 may have moved away and back meanwhile.
+        node.apply_map(map(4, &[1, 2, 2, 1]), false, registration);
+        assert!(!cached(&node, 0) && !cached(&node, 3 * PPE));
+        assert_eq!(node.applied_epoch(), 4);
+        // Losing everything: no map, nothing cached, later maps of that
+        // registration ignored.
+        node.cache.get(0).unwrap();
+        node.lose_everything("test");
+        assert!(node.view().is_none() && !cached(&node, 0));
+        assert_eq!(node.applied_epoch(), 0);
+        node.apply_map(map(5, &[1, 1, 1, 1]), true, registration);
+        assert!(
+            node.view().is_none(),
+            "applied a map of a lost registration"
+        );
+    }
 }

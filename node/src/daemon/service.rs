@@ -1,14 +1,19 @@
 //! The `pagewire.v1.Node` gRPC service over the local page cache.
 //!
-//! Every call that names pages checks them against the map this node applied
-//! (unless the caller sends epoch 0): a page of an extent this node neither
-//! owns nor hands off is refused as a stale map, so a reader with an old map
-//! learns it at once instead of being served by the wrong node. Cache work
-//! (which may read the backing file) runs on the blocking pool.
+//! Every call that names pages is admitted against the map this node
+//! applied, whatever epoch the caller sends ([`super::ownership`] has the
+//! rules): a caller ahead of this node is told to retry (stale map, this
+//! node is behind); a caller behind it is answered for extents this node
+//! still serves (the reply carries the newer epoch) and refused as a stale
+//! map for the others. Cache work (which may read the backing file) runs on
+//! the blocking pool, holding the applied map's read lock, and this node
+//! checks its lease before it starts and again right before it answers,
+//! after the data was read: a node whose lease ran out (frozen, cut off,
+//! declared dead) answers UNAVAILABLE "lease expired", never old bytes.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pagewire_proto::v1::node_server::Node as NodeRpc;
 use pagewire_proto::v1::{
@@ -18,21 +23,35 @@ use pagewire_proto::v1::{
 };
 use tonic::{Request, Response, Status};
 
-use super::{DaemonError, Node};
+use super::ownership::Role;
+use super::{DaemonError, MapView, Node};
 
 pub(crate) struct NodeService {
     pub(crate) node: Arc<Node>,
 }
 
+/// What a call does with its pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Read: from the cache, or from the page source for others' extents.
+    Read,
+    /// FaultIn, Warm: bring pages into this node's cache.
+    Fill,
+    /// Write-through.
+    Write,
+}
+
+/// Where a run of pages is answered from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Segment {
+    Cache { first: u64, count: u64 },
+    Source { owner: u32, first: u64, count: u64 },
+}
+
 impl Node {
-    /// Checks `run` against the file, the per-call limit (when `limit`), and
-    /// this node's map; returns (first, count, epoch this node is at).
-    fn check_run(
-        &self,
-        run: Option<PageRun>,
-        map_epoch: u64,
-        limit: bool,
-    ) -> Result<(u64, u64, u64), DaemonError> {
+    /// Checks `run` against the file and the per-call limit (when `limit`);
+    /// returns (first, count).
+    fn check_run(&self, run: Option<PageRun>, limit: bool) -> Result<(u64, u64), DaemonError> {
         let run = run.ok_or_else(|| DaemonError::InvalidArgument("run is required".into()))?;
         let pages = self.cache.pages();
         if run.page_count == 0 {
@@ -53,27 +72,119 @@ impl Node {
                 run.first_page, run.page_count
             )));
         }
-        self.check_owned(run.first_page, run.page_count, map_epoch)?;
-        Ok((run.first_page, run.page_count, self.applied_epoch()))
+        Ok((run.first_page, run.page_count))
     }
 
-    fn check_owned(&self, first: u64, count: u64, map_epoch: u64) -> Result<(), DaemonError> {
-        if map_epoch == 0 {
-            return Ok(());
+    fn check_lease(&self) -> Result<(), DaemonError> {
+        if self.lease.valid() {
+            Ok(())
+        } else {
+            self.lease_rejections.fetch_add(1, Ordering::Relaxed);
+            Err(DaemonError::LeaseExpired)
         }
-        let view = self.view().ok_or(DaemonError::NoMap)?;
-        let (a, b) = (view.extent_of(first), view.extent_of(first + count - 1));
-        for e in a..=b {
-            if !view.serves(e) {
-                self.stale_rejections.fetch_add(1, Ordering::Relaxed);
-                let owner = view.map.owner.get(e).copied().unwrap_or(0);
-                return Err(DaemonError::StaleMap(format!(
-                    "extent {e} is served by node index {owner} at epoch {} (you sent epoch {map_epoch}); refresh the map",
-                    view.map.epoch
-                )));
+    }
+
+    fn stale(&self, e: DaemonError) -> DaemonError {
+        self.stale_rejections.fetch_add(1, Ordering::Relaxed);
+        e
+    }
+
+    /// Admits `first..first + count` for `access` under `view`: splits it
+    /// into runs answered from the cache or from the page source, or says
+    /// why it is refused.
+    fn admit(
+        &self,
+        view: &MapView,
+        first: u64,
+        count: u64,
+        map_epoch: u64,
+        access: Access,
+    ) -> Result<Vec<Segment>, DaemonError> {
+        self.check_lease()?;
+        let epoch = view.map.epoch;
+        if map_epoch > epoch {
+            return Err(self.stale(DaemonError::NodeBehind {
+                node: epoch,
+                yours: map_epoch,
+            }));
+        }
+        let not_here = |e: usize, owner: u32| {
+            self.stale(DaemonError::StaleMap(format!(
+                "extent {e} is served by node index {owner} at epoch {epoch} (you sent epoch \
+                 {map_epoch}); refresh the map"
+            )))
+        };
+        let now = Instant::now();
+        let mut out: Vec<Segment> = Vec::new();
+        let end = first + count;
+        let mut page = first;
+        while page < end {
+            let e = view.extent_of(page);
+            let stop = ((e as u64 + 1) * view.pages_per_extent).min(end);
+            let n = stop - page;
+            let seg = match (view.role(e), access) {
+                (Role::Receiving { from }, _) => {
+                    return Err(DaemonError::Moving { extent: e, from });
+                }
+                (Role::Owner, Access::Write) => {
+                    if let Some(wait) = view.write_wait(e, now) {
+                        return Err(DaemonError::WritesFenced {
+                            extent: e,
+                            wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1),
+                        });
+                    }
+                    Segment::Cache {
+                        first: page,
+                        count: n,
+                    }
+                }
+                (Role::HandingOff { to }, Access::Write) => return Err(not_here(e, to)),
+                (Role::Owner | Role::HandingOff { .. }, _) => Segment::Cache {
+                    first: page,
+                    count: n,
+                },
+                (Role::Other { owner }, Access::Read)
+                    if self.page_source.is_some() && owner != 0 =>
+                {
+                    Segment::Source {
+                        owner,
+                        first: page,
+                        count: n,
+                    }
+                }
+                (Role::Other { owner }, _) => return Err(not_here(e, owner)),
+            };
+            match (out.last_mut(), seg) {
+                (Some(Segment::Cache { count: c, .. }), Segment::Cache { count: more, .. }) => {
+                    *c += more
+                }
+                _ => out.push(seg),
             }
+            page = stop;
         }
-        Ok(())
+        Ok(out)
+    }
+
+    /// Runs `work` with the applied map's read lock held, once the call is
+    /// admitted; checks the lease again before handing back its result.
+    fn serve<T>(
+        &self,
+        first: u64,
+        count: u64,
+        map_epoch: u64,
+        access: Access,
+        work: impl FnOnce(&MapView, &[Segment]) -> Result<T, DaemonError>,
+    ) -> Result<(T, u64), DaemonError> {
+        let guard = self.view.read().unwrap_or_else(|e| e.into_inner());
+        let view = guard.as_deref().ok_or(DaemonError::NoMap)?;
+        let segments = self.admit(view, first, count, map_epoch, access)?;
+        let out = work(view, &segments)?;
+        let epoch = view.map.epoch;
+        drop(guard);
+        // Right before answering, after the data was read: a node frozen or
+        // cut off past its lease must not answer from its old map.
+        self.check_lease()?;
+        Ok((out, epoch))
     }
 }
 
@@ -94,25 +205,29 @@ impl NodeRpc for NodeService {
     ) -> Result<Response<FaultInResponse>, Status> {
         let req = req.into_inner();
         let node = self.node.clone();
-        let (first, count, epoch) = node.check_run(req.run, req.map_epoch, true)?;
+        let (first, count) = node.check_run(req.run, true)?;
         let me = node.index.load(Ordering::Relaxed);
         let resp = blocking(move || {
-            // One gang read for the missing part of the run, then the frames.
-            node.cache.preload(first, count)?;
-            let mut frames = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
-            let mut data = Vec::new();
-            for page in first..first + count {
-                let r = node.cache.get(page)?;
-                frames.push(FrameLocation {
-                    page,
-                    node_index: me,
-                    frame_index: u64::from(r.frame()),
-                    generation: r.generation(),
-                });
-                if req.want_data {
-                    data.extend_from_slice(&r);
-                }
-            }
+            let ((frames, data), epoch) =
+                node.serve(first, count, req.map_epoch, Access::Fill, |_, _| {
+                    // One gang read for the missing part of the run, then the frames.
+                    node.cache.preload(first, count)?;
+                    let mut frames = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+                    let mut data = Vec::new();
+                    for page in first..first + count {
+                        let r = node.cache.get(page)?;
+                        frames.push(FrameLocation {
+                            page,
+                            node_index: me,
+                            frame_index: u64::from(r.frame()),
+                            generation: r.generation(),
+                        });
+                        if req.want_data {
+                            data.extend_from_slice(&r);
+                        }
+                    }
+                    Ok((frames, data))
+                })?;
             node.bytes_served
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok(FaultInResponse {
@@ -128,16 +243,42 @@ impl NodeRpc for NodeService {
     async fn read(&self, req: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
         let req = req.into_inner();
         let node = self.node.clone();
-        let (first, count, epoch) = node.check_run(req.run, req.map_epoch, true)?;
+        let (first, count) = node.check_run(req.run, true)?;
         let resp = blocking(move || {
-            let ps = node.cache.page_size();
-            let mut data = Vec::with_capacity(usize::try_from(count).unwrap_or(0) * ps);
-            let mut generations = Vec::new();
-            for page in first..first + count {
-                let r = node.cache.get(page)?;
-                generations.push(r.generation());
-                data.extend_from_slice(&r);
-            }
+            let map_epoch = req.map_epoch;
+            let ((data, generations), epoch) =
+                node.serve(first, count, map_epoch, Access::Read, |view, segments| {
+                    let ps = node.cache.page_size();
+                    let mut data = Vec::with_capacity(usize::try_from(count).unwrap_or(0) * ps);
+                    let mut generations = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+                    for seg in segments {
+                        match *seg {
+                            Segment::Cache { first, count } => {
+                                for page in first..first + count {
+                                    let r = node.cache.get(page)?;
+                                    generations.push(r.generation());
+                                    data.extend_from_slice(&r);
+                                }
+                            }
+                            Segment::Source {
+                                owner,
+                                first,
+                                count,
+                            } => {
+                                let source = node.page_source.as_ref().ok_or_else(|| {
+                                    DaemonError::Internal(
+                                        "admitted a page source read without one".into(),
+                                    )
+                                })?;
+                                let (bytes, gens) =
+                                    source.read(owner, view.map.epoch, first, count)?;
+                                data.extend_from_slice(&bytes);
+                                generations.extend_from_slice(&gens);
+                            }
+                        }
+                    }
+                    Ok((data, generations))
+                })?;
             node.bytes_served
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok(ReadResponse {
@@ -153,15 +294,19 @@ impl NodeRpc for NodeService {
     async fn write(&self, req: Request<WriteRequest>) -> Result<Response<WriteResponse>, Status> {
         let req = req.into_inner();
         let node = self.node.clone();
-        let (page, _, epoch) = node.check_run(
+        let (page, _) = node.check_run(
             Some(PageRun {
                 first_page: req.page,
                 page_count: 1,
             }),
-            req.map_epoch,
             true,
         )?;
-        let generation = blocking(move || Ok(node.cache.write(page, &req.data)?)).await?;
+        let (generation, epoch) = blocking(move || {
+            node.serve(page, 1, req.map_epoch, Access::Write, |_, _| {
+                Ok(node.cache.write(page, &req.data)?)
+            })
+        })
+        .await?;
         Ok(Response::new(WriteResponse {
             generation,
             map_epoch: epoch,
@@ -174,8 +319,13 @@ impl NodeRpc for NodeService {
     ) -> Result<Response<NodeRangeResponse>, Status> {
         let req = req.into_inner();
         let node = self.node.clone();
-        let (first, count, _) = node.check_run(req.run, req.map_epoch, false)?;
-        let pages = blocking(move || Ok(node.cache.preload(first, count)?)).await?;
+        let (first, count) = node.check_run(req.run, false)?;
+        let (pages, _) = blocking(move || {
+            node.serve(first, count, req.map_epoch, Access::Fill, |_, _| {
+                Ok(node.cache.preload(first, count)?)
+            })
+        })
+        .await?;
         Ok(Response::new(NodeRangeResponse { pages }))
     }
 
@@ -185,8 +335,9 @@ impl NodeRpc for NodeService {
     ) -> Result<Response<NodeRangeResponse>, Status> {
         let req = req.into_inner();
         let node = self.node.clone();
-        // Evicting is always safe: no ownership check beyond the file's bounds.
-        let (first, count, _) = node.check_run(req.run, 0, false)?;
+        // Evicting is always safe: no ownership nor lease check beyond the
+        // file's bounds.
+        let (first, count) = node.check_run(req.run, false)?;
         let pages = blocking(move || Ok(node.cache.evict_range(first, count).0)).await?;
         Ok(Response::new(NodeRangeResponse { pages }))
     }

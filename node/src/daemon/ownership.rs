@@ -1,0 +1,251 @@
+//! What this node may do with each extent under the map it applied.
+//!
+//! Rules (ARCHITECTURE.md, "Ownership, leases and writes"):
+//!
+//! 1. Only an extent this node answers *from its cache* may have pages in
+//!    the cache: one it owns outright (no handoff), or one it hands off as
+//!    `previous_owner`. Applying a map refuses every other extent from the
+//!    moment it is installed and then evicts its pages (the next map waits
+//!    for that); when the epochs applied are not consecutive (a skipped epoch
+//!    may have moved an extent away and back, with writes in between) it
+//!    evicts every page before answering anything under the new map.
+//! 2. The new owner of an extent in handoff answers none of it (the previous
+//!    owner does, and may still be acknowledging writes under an older map):
+//!    it refuses it as moving.
+//! 3. Writes are acknowledged only by the outright owner, and, where the map
+//!    names a node that released the extent (`released_by`), only from one
+//!    lease plus the clock-drift margin after this node first applied such a
+//!    map: by then the releasing node has applied a map without the extent or
+//!    its lease ran out.
+//! 4. Pages of an extent this node does not serve come from a [`PageSource`]
+//!    (reading them from their owner, never caching them), or, with none, are
+//!    refused as a stale map.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pagewire_proto::v1::OwnershipMap;
+
+use super::DaemonError;
+
+/// Reads pages of an extent this node does not serve from the node that
+/// does, without caching them here. None today: such reads are refused as a
+/// stale map; the remote reader plugs in here.
+pub(crate) trait PageSource: Send + Sync {
+    /// Pages `first..first + count` (all in one extent owned by `owner` at
+    /// `epoch`): their bytes, and each page's generation.
+    fn read(
+        &self,
+        owner: u32,
+        epoch: u64,
+        first: u64,
+        count: u64,
+    ) -> Result<(Vec<u8>, Vec<u64>), DaemonError>;
+}
+
+/// This node's part in one extent at one epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Owner, no handoff: answers from its cache, may write.
+    Owner,
+    /// Previous owner in a handoff: answers reads from its cache, no writes.
+    HandingOff { to: u32 },
+    /// New owner in a handoff: answers nothing of it yet.
+    Receiving { from: u32 },
+    /// Someone else's (0: nobody's).
+    Other { owner: u32 },
+}
+
+impl Role {
+    /// Whether this node answers the extent from its own cache.
+    pub(crate) fn cached(self) -> bool {
+        matches!(self, Role::Owner | Role::HandingOff { .. })
+    }
+}
+
+/// The map as this node applied it.
+pub(crate) struct MapView {
+    pub(crate) map: Arc<OwnershipMap>,
+    pub(crate) me: u32,
+    pub(crate) pages_per_extent: u64,
+    /// Extents owned outright whose writes wait: until when.
+    write_fences: HashMap<usize, Instant>,
+}
+
+/// What applying a new map takes.
+pub(crate) struct Plan {
+    pub(crate) view: MapView,
+    /// Extents whose cached pages must go before the view is served.
+    pub(crate) evict: Vec<usize>,
+    /// Whether every extent's pages go (epochs not consecutive).
+    pub(crate) evict_all: bool,
+}
+
+impl MapView {
+    pub(crate) fn extent_of(&self, page: u64) -> usize {
+        usize::try_from(page / self.pages_per_extent).unwrap_or(usize::MAX)
+    }
+
+    pub(crate) fn role(&self, extent: usize) -> Role {
+        let owner = self.map.owner.get(extent).copied().unwrap_or(0);
+        let prev = self.map.previous_owner.get(extent).copied().unwrap_or(0);
+        match (owner == self.me, prev) {
+            (true, 0) => Role::Owner,
+            (true, from) => Role::Receiving { from },
+            (false, p) if p == self.me => Role::HandingOff { to: owner },
+            (false, _) => Role::Other { owner },
+        }
+    }
+
+    pub(crate) fn owned(&self) -> u64 {
+        self.map.owner.iter().filter(|&&o| o == self.me).count() as u64
+    }
+
+    fn extents(&self) -> usize {
+        self.map.owner.len()
+    }
+
+    /// How long writes to `extent` still wait (None: they may go now).
+    pub(crate) fn write_wait(&self, extent: usize, now: Instant) -> Option<Duration> {
+        self.write_fences
+            .get(&extent)
+            .map(|&at| at.saturating_duration_since(now))
+            .filter(|d| !d.is_zero())
+    }
+
+    /// The view of `map` for node `me`, and what applying it after `old`
+    /// must evict. `fence` is one lease plus the drift margin.
+    pub(crate) fn plan(
+        old: Option<&MapView>,
+        map: OwnershipMap,
+        me: u32,
+        pages_per_extent: u64,
+        fence: Duration,
+        now: Instant,
+    ) -> Plan {
+        let mut view = MapView {
+            map: Arc::new(map),
+            me,
+            pages_per_extent,
+            write_fences: HashMap::new(),
+        };
+        // Consecutive epochs of one coordinator: the difference is all that
+        // changed. Anything else (a skipped epoch, a coordinator that started
+        // afresh, the same epoch with another content) may hide a move away
+        // and back.
+        let continuous = old.is_some_and(|o| {
+            o.me == me
+                && o.extents() == view.extents()
+                && (o.map.epoch + 1 == view.map.epoch
+                    || (o.map.epoch == view.map.epoch && *o.map == *view.map))
+        });
+        for (e, &r) in view.map.released_by.iter().enumerate() {
+            if r == 0 || r == me || view.role(e) != Role::Owner {
+                continue;
+            }
+            let kept = old
+                .filter(|o| continuous && o.role(e) == Role::Owner)
+                .and_then(|o| o.write_fences.get(&e).copied());
+            view.write_fences.insert(e, kept.unwrap_or(now + fence));
+        }
+        let Some(old) = old else {
+            // Nothing is cached without a view (start, or after losing
+            // everything, which evicted it all).
+            return Plan {
+                view,
+                evict: Vec::new(),
+                evict_all: false,
+            };
+        };
+        if !continuous {
+            return Plan {
+                view,
+                evict: Vec::new(),
+                evict_all: true,
+            };
+        }
+        let evict = (0..old.extents())
+            .filter(|&e| old.role(e).cached() && !view.role(e).cached())
+            .collect();
+        Plan {
+            view,
+            evict,
+            evict_all: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use pagewire_proto::v1::OwnershipMap;
+
+    use super::{MapView, Role};
+
+    fn map(epoch: u64, owner: &[u32], prev: &[u32], released: &[u32]) -> OwnershipMap {
+        OwnershipMap {
+            epoch,
+            owner: owner.to_vec(),
+            previous_owner: prev.to_vec(),
+            released_by: released.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    const FENCE: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn roles_evictions_and_write_fences() {
+        let now = Instant::now();
+        let v1 = MapView::plan(None, map(1, &[1, 2, 1], &[], &[]), 1, 16, FENCE, now);
+        assert!(v1.evict.is_empty() && !v1.evict_all);
+        let v1 = v1.view;
+        assert_eq!(v1.role(0), Role::Owner);
+        assert_eq!(v1.role(1), Role::Other { owner: 2 });
+        assert_eq!(v1.write_wait(0, now), None);
+        // Extent 0 moves to 3 (handoff), extent 1 comes to us (handoff).
+        let p = MapView::plan(
+            Some(&v1),
+            map(2, &[3, 1, 1], &[1, 2, 0], &[]),
+            1,
+            16,
+            FENCE,
+            now,
+        );
+        assert!(p.evict.is_empty(), "a handing-off node keeps its pages");
+        let v2 = p.view;
+        assert_eq!(v2.role(0), Role::HandingOff { to: 3 });
+        assert_eq!(v2.role(1), Role::Receiving { from: 2 });
+        assert!(!v2.role(1).cached());
+        // Handoffs clear: 0 is gone (evicted), 1 ours with writes fenced.
+        let p = MapView::plan(
+            Some(&v2),
+            map(3, &[3, 1, 1], &[], &[1, 2, 0]),
+            1,
+            16,
+            FENCE,
+            now,
+        );
+        assert_eq!(p.evict, vec![0]);
+        let v3 = p.view;
+        assert_eq!(v3.write_wait(1, now), Some(FENCE));
+        assert_eq!(v3.write_wait(2, now), None);
+        // The fence keeps its deadline while the entry stays.
+        let later = now + Duration::from_millis(600);
+        let v4 = MapView::plan(
+            Some(&v3),
+            map(4, &[3, 1, 1], &[], &[1, 2, 0]),
+            1,
+            16,
+            FENCE,
+            later,
+        )
+        .view;
+        assert_eq!(v4.write_wait(1, later), Some(Duration::from_millis(400)));
+        // A skipped epoch evicts everything.
+        let p = MapView::plan(Some(&v4), map(6, &[3, 1, 1], &[], &[]), 1, 16, FENCE, later);
+        assert!(p.evict_all);
+    }
+}
