@@ -315,3 +315,44 @@ fn remote_copy_vs_evict_and_refill() {
         });
     }
 }
+
+/// The ABA case: a reader holding a stale location of page 1 (frame 0)
+/// copies it while the owner writes page 1 (copy-on-write into frame 1),
+/// acknowledges, and reuses frame 0 for page 2. The reader copies the state
+/// word last, so it may see frame 0 published again (for page 2) with every
+/// other word still page 1's old copy: the generation, read after the
+/// acknowledgement, must still refuse it.
+#[test]
+fn remote_copy_vs_cow_and_reuse() {
+    use Word::*;
+    let order = vec![Byte(0), Byte(1), Checksum, Page, Generation, LenState];
+    builder().check(move || {
+        let c = Arc::new(core(2));
+        let f = insert(&c, 1, 0x11).unwrap();
+        c.frames.put(f);
+        let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+        let owner = {
+            let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
+            thread::spawn(move || {
+                let n = c.frames.alloc().expect("second frame");
+                // SAFETY: `alloc` gave us the frame exclusively.
+                unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
+                c.publish_cow(1, n, PS as u32).unwrap();
+                acked.store(true, crate::sync::Ordering::Release);
+                let g = insert(&c, 2, 0x22).unwrap();
+                assert_eq!(g, f, "the old frame is the only free one");
+                c.frames.put(g);
+            })
+        };
+        let after_ack = acked.load(crate::sync::Ordering::Acquire);
+        let (hdr, bytes) = remote_copy(&c, f, &order);
+        if hdr.validate(1, &bytes) {
+            assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
+            assert!(
+                !after_ack,
+                "old bytes accepted after the write's ack: {hdr:?} {bytes:?}"
+            );
+        }
+        owner.join().unwrap();
+    });
+}
