@@ -104,19 +104,41 @@ impl BackingFile {
     /// few `preadv` calls as the kernel allows. Bytes past the end of the file
     /// are zeroed; a file that shrank under us is an error.
     pub fn read_frames(&self, first: u64, bufs: &mut [&mut [u8]]) -> Result<(), BackingError> {
+        let spans: Vec<(*mut u8, usize)> =
+            bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())).collect();
+        // SAFETY: each span is a distinct buffer exclusively borrowed through
+        // `bufs` for this whole call.
+        unsafe { self.read_spans(first, &spans) }
+    }
+
+    /// [`BackingFile::read_frames`] into raw spans (the frames of a shared
+    /// region). The bytes past the end of the file are zeroed with atomic
+    /// byte stores and the rest is written by the kernel, so no plain store
+    /// races with a transport responder that copies the same memory with
+    /// atomic loads; no Rust reference to the spans is created.
+    ///
+    /// # Safety
+    /// Each `(ptr, len)` span is valid for writes for the whole call, the
+    /// spans do not overlap, and nobody else writes them or holds a
+    /// reference to them during the call (atomic loads are fine).
+    pub unsafe fn read_spans(
+        &self,
+        first: u64,
+        spans: &[(*mut u8, usize)],
+    ) -> Result<(), BackingError> {
         let offset = first * self.page_size as u64;
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let total: usize = spans.iter().map(|b| b.1).sum();
         let want = (self.len.saturating_sub(offset)).min(total as u64) as usize;
         let ask = if self.direct { total } else { want };
-        let mut iov: Vec<libc::iovec> = Vec::with_capacity(bufs.len());
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(spans.len());
         let mut left = ask;
-        for b in bufs.iter_mut() {
+        for &(ptr, len) in spans {
             if left == 0 {
                 break;
             }
-            let n = b.len().min(left);
+            let n = len.min(left);
             iov.push(libc::iovec {
-                iov_base: b.as_mut_ptr().cast(),
+                iov_base: ptr.cast(),
                 iov_len: n,
             });
             left -= n;
@@ -125,9 +147,8 @@ impl BackingFile {
         let mut at = 0usize; // first iovec not yet full
         while done < ask && at < iov.len() {
             let cnt = (iov.len() - at).min(IOV_MAX) as libc::c_int;
-            // SAFETY: every iovec points into a distinct `&mut [u8]` borrowed
-            // from `bufs` for this call, with a length inside that slice; the
-            // fd is open for reading.
+            // SAFETY: every iovec points into a distinct span the caller
+            // vouches for, with a length inside it; the fd is open for reading.
             let n = unsafe {
                 libc::preadv(
                     std::os::fd::AsRawFd::as_raw_fd(&self.file),
@@ -171,9 +192,14 @@ impl BackingFile {
             });
         }
         let mut skip = want;
-        for b in bufs.iter_mut() {
-            let keep = skip.min(b.len());
-            b[keep..].fill(0);
+        for &(ptr, len) in spans {
+            let keep = skip.min(len);
+            for k in keep..len {
+                // SAFETY: `ptr + k` lies inside the caller's span, valid for
+                // writes; an atomic store races with no concurrent atomic load.
+                unsafe { std::sync::atomic::AtomicU8::from_ptr(ptr.add(k)) }
+                    .store(0, std::sync::atomic::Ordering::Relaxed);
+            }
             skip -= keep;
         }
         Ok(())

@@ -416,20 +416,16 @@ impl<I: Index> PageCache<I> {
         }
         let region = self.core.frames.region();
         let ps = self.cfg.page_size;
-        let read = {
-            let mut bufs: Vec<&mut [u8]> = Vec::with_capacity(frames.len());
-            for &f in &frames {
-                // SAFETY: each frame was just taken off the free list by
-                // `alloc_frame`: it is `Filling`, refcount 0, owned by us alone,
-                // and the frames are distinct, so the slices do not alias; each
-                // is `ps` bytes inside the live region. Only the kernel writes
-                // through them (`preadv`), which races with no Rust access: a
-                // responder copying a stale location of the frame uses atomic
-                // loads and validates by checksum.
-                bufs.push(unsafe { std::slice::from_raw_parts_mut(region.frame_ptr(f), ps) });
-            }
-            self.file.read_frames(first, &mut bufs)
-        };
+        let spans: Vec<(*mut u8, usize)> =
+            frames.iter().map(|&f| (region.frame_ptr(f), ps)).collect();
+        // SAFETY: each frame was just taken off the free list by
+        // `alloc_frame`: it is `Filling`, refcount 0, owned by us alone, and
+        // the frames are distinct, so the spans do not overlap; each is `ps`
+        // bytes inside the live region. No Rust reference to them exists; a
+        // responder copying a stale location of one uses atomic loads and
+        // validates, and `read_spans` writes only through the kernel and
+        // atomic stores.
+        let read = unsafe { self.file.read_spans(first, &spans) };
         if let Err(e) = read {
             for f in frames {
                 self.core.frames.free_unpublished(f);
