@@ -40,7 +40,9 @@ mod copy;
 mod descriptor;
 mod error;
 mod handshake;
+mod memory;
 pub mod shm;
+mod spin;
 pub mod tcp;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -53,7 +55,8 @@ pub use async_conn::AsyncConnection;
 pub use conn::{Completion, Connection, Limits, ReadRequest, read_blocking};
 pub use copy::Chaos;
 pub use descriptor::{DecodeError, RegionDescriptor};
-pub use error::{AccessFault, ConnectError, PostError, ReadError, RegisterError};
+pub use error::{AccessFault, ConnectError, OwnerError, PostError, ReadError, RegisterError};
+pub use memory::MemoryOwner;
 
 /// Memory registered for remote READ on the owner's side, whatever the backend.
 ///
