@@ -4,9 +4,26 @@
 //! A blocking loopback round trip pays two wake-ups (tens of µs on an idle
 //! VM core); a thread that polls its socket for a few µs after it answered
 //! (the responder) or after it posted (the reader) catches the next message
-//! without one. Spinning burns a core, so a process lets at most
-//! `available_parallelism() - 1` threads of each role spin at once; the rest
-//! block at once, and with one core nobody spins.
+//! without one. Spinning burns a core, and on a busy machine it is worse
+//! than blocking: a spinner that the scheduler preempts (other processes want
+//! the core) sees its message only at its next time slice, while a thread
+//! that slept is woken ahead of them. So spinning backs off three ways:
+//!
+//! * **Budget.** A process lets at most `available_parallelism() - 1`
+//!   threads of each role spin at once; the rest block at once, and with one
+//!   core nobody spins.
+//! * **Window** ([`AdaptiveSpin`], one per serving thread or connection,
+//!   after KVM's halt polling): it starts at the configured spin; a wait
+//!   that ended by blocking longer than that halves it (traffic too sparse
+//!   for spinning to pay), down to zero; a blocking wait shorter than the
+//!   configured spin doubles it again (from an eighth of it).
+//! * **Preemption.** A spin during which the thread was involuntarily
+//!   switched out (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` grew) means the
+//!   cores are oversubscribed: no spinning for the next 16 waits, doubling
+//!   (up to 4096) while it keeps happening, reset by a clean spin.
+//!
+//! A spinning thread yields (`sched_yield`) between polls after the first
+//! few, so a runnable peer on its core still gets to run.
 //!
 //! # Protocol
 //!
@@ -30,6 +47,7 @@
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// How many threads of one role may spin at once.
 pub(crate) struct SpinBudget {
@@ -81,6 +99,127 @@ impl Drop for SpinSlot<'_> {
     }
 }
 
+/// Polls before yielding between polls.
+const PURE_SPINS: u32 = 16;
+/// Waits without spinning after the first preemption during a spin.
+const COOLDOWN_START: u32 = 16;
+/// Longest cooldown, in waits.
+const COOLDOWN_MAX: u32 = 4096;
+
+/// Involuntary context switches of the calling thread so far.
+fn involuntary_switches() -> i64 {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `getrusage` fills the zeroed struct we pass; RUSAGE_THREAD
+        // is valid on Linux.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+            ru
+        };
+        #[allow(clippy::useless_conversion, reason = "c_long is i32 on some targets")]
+        i64::from(ru.ru_nivcsw)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        0
+    }
+}
+
+/// The spin window of one waiter (a serving thread, a connection).
+#[derive(Debug)]
+pub(crate) struct AdaptiveSpin {
+    max: Duration,
+    window: Duration,
+    /// Waits left that must not spin (after a preemption).
+    cooldown: u32,
+    /// The next cooldown's length.
+    next_cooldown: u32,
+}
+
+/// One spin in progress: holds a budget slot until [`AdaptiveSpin::end`].
+pub(crate) struct Episode {
+    _slot: SpinSlot<'static>,
+    /// Poll until then, then block.
+    pub(crate) until: Instant,
+    switches: i64,
+    polls: u32,
+}
+
+impl Episode {
+    /// Between two polls: a CPU hint, then, after a few polls, a yield.
+    pub(crate) fn pause(&mut self) {
+        self.polls += 1;
+        if self.polls < PURE_SPINS {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl AdaptiveSpin {
+    /// Spins of up to `max`; zero never spins.
+    pub(crate) fn new(max: Duration) -> Self {
+        Self {
+            max,
+            window: max,
+            cooldown: 0,
+            next_cooldown: COOLDOWN_START,
+        }
+    }
+
+    /// Starts a spin, or `None` to block at once (no window, cooling down
+    /// after a preemption, or `budget` full).
+    pub(crate) fn begin(&mut self, budget: &'static SpinBudget) -> Option<Episode> {
+        if self.window.is_zero() {
+            return None;
+        }
+        if self.cooldown > 0 {
+            self.cooldown -= 1;
+            return None;
+        }
+        let slot = budget.try_acquire()?;
+        Some(Episode {
+            _slot: slot,
+            until: Instant::now() + self.window,
+            switches: involuntary_switches(),
+            polls: 0,
+        })
+    }
+
+    /// Ends a spin; `got` when it caught what it waited for.
+    pub(crate) fn end(&mut self, episode: Episode, got: bool) {
+        let preempted = involuntary_switches() > episode.switches;
+        drop(episode);
+        if preempted {
+            self.cooldown = self.next_cooldown;
+            self.next_cooldown = (self.next_cooldown * 2).min(COOLDOWN_MAX);
+            tracing::trace!(
+                cooldown = self.cooldown,
+                "tcp: preempted while spinning, blocking for a while"
+            );
+        } else if got {
+            self.next_cooldown = COOLDOWN_START;
+        }
+    }
+
+    /// After a wait that blocked for `blocked`: adapts the window.
+    pub(crate) fn blocked(&mut self, blocked: Duration) {
+        if self.max.is_zero() {
+            return;
+        }
+        if blocked > self.max {
+            self.window /= 2;
+            if self.window < Duration::from_micros(1) {
+                self.window = Duration::ZERO;
+            }
+        } else {
+            self.window = (self.window * 2).max(self.max / 8).min(self.max);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +236,43 @@ mod tests {
         drop((s2, s3));
         assert_eq!(b.spinning.load(Ordering::Relaxed), 0);
         assert!(SpinBudget::new(Some(0)).try_acquire().is_none());
+    }
+
+    #[test]
+    fn window_shrinks_when_blocking_long_and_grows_back() {
+        static B: SpinBudget = SpinBudget::new(Some(1));
+        let max = Duration::from_micros(80);
+        let mut a = AdaptiveSpin::new(max);
+        for _ in 0..10 {
+            a.blocked(Duration::from_millis(5));
+        }
+        assert_eq!(a.window, Duration::ZERO, "sparse traffic stops spinning");
+        assert!(a.begin(&B).is_none());
+        a.blocked(Duration::from_micros(20));
+        assert_eq!(a.window, max / 8, "short blocking waits bring it back");
+        for _ in 0..5 {
+            a.blocked(Duration::from_micros(20));
+        }
+        assert_eq!(a.window, max);
+        let ep = a.begin(&B).expect("a window and a free budget");
+        assert!(B.try_acquire().is_none(), "the episode holds the slot");
+        a.end(ep, true);
+        assert!(B.try_acquire().is_some(), "ending the episode frees it");
+        assert!(AdaptiveSpin::new(Duration::ZERO).begin(&B).is_none());
+    }
+
+    #[test]
+    fn preemption_while_spinning_cools_down() {
+        static B: SpinBudget = SpinBudget::new(Some(4));
+        let mut a = AdaptiveSpin::new(Duration::from_micros(50));
+        let mut ep = a.begin(&B).expect("spin");
+        ep.switches = -1; // as if preempted during the spin
+        a.end(ep, true);
+        for _ in 0..COOLDOWN_START {
+            assert!(a.begin(&B).is_none(), "cooling down");
+        }
+        let ep = a.begin(&B).expect("spins again after the cooldown");
+        a.end(ep, true);
+        assert_eq!(a.next_cooldown, COOLDOWN_START);
     }
 }

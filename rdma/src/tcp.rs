@@ -64,10 +64,14 @@
 //! first poll their socket without blocking for up to
 //! [`ResponderConfig::spin`] / [`ConnectionConfig::spin`] (50 µs by
 //! default), then block: a loopback round trip costs about 7 µs when both
-//! sides spin and 60–70 µs when each answer has to wake a sleeping thread.
-//! At most `available_parallelism() - 1` serving threads, and as many
-//! waiting readers, spin at once in a process; the others block at once, so
-//! many clients on few cores do not burn them. A spin of zero blocks at once.
+//! sides spin and 60–70 µs when each answer has to wake a sleeping thread
+//! on an idle core. At most `available_parallelism() - 1` serving threads,
+//! and as many waiting readers, spin at once in a process; the others block
+//! at once, so many clients on few cores do not burn them. Each waiter's
+//! window adapts: it shrinks to nothing when its traffic is too sparse for a
+//! spin to catch, and a waiter preempted while spinning (cores
+//! oversubscribed) stops spinning for a while (see `spin.rs`). A spin of
+//! zero blocks at once.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -81,6 +85,7 @@ use std::time::{Duration, Instant};
 
 use crate::copy::{Chaos, copy_from_shared_raw};
 use crate::memory::{Memory, MemoryOwner, choose_epoch};
+use crate::spin::AdaptiveSpin;
 use crate::{
     AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, OwnerError, PostError,
     ReadError, ReadRequest, RegionDescriptor, RegisterError, handshake, spin,
@@ -403,8 +408,9 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     let mut input = vec![0u8; 64 << 10];
     let mut have = 0;
     let mut out: Vec<u8> = Vec::with_capacity(256 << 10);
+    let mut spin = AdaptiveSpin::new(shared.config.spin);
     loop {
-        let n = recv_request(&mut stream, &mut input[have..], shared)?;
+        let n = recv_request(&mut stream, &mut input[have..], shared, &mut spin)?;
         if n == 0 || shared.closed.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -423,34 +429,43 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     }
 }
 
-/// Receives the next request bytes: polls without blocking for up to
-/// `config.spin` (if the process's spin budget has a slot), then blocks.
-/// Returns 0 at end of stream or when the responder closed.
-fn recv_request(stream: &mut TcpStream, buf: &mut [u8], shared: &Shared) -> io::Result<usize> {
-    let spin = shared.config.spin;
-    if !spin.is_zero()
-        && let Some(_slot) = spin::RESPONDER.try_acquire()
-    {
-        let until = Instant::now() + spin;
+/// Receives the next request bytes: polls without blocking while `spin`
+/// allows (its window, the process's budget), then blocks. Returns 0 at end
+/// of stream or when the responder closed.
+fn recv_request(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    shared: &Shared,
+    spin: &mut AdaptiveSpin,
+) -> io::Result<usize> {
+    if let Some(mut ep) = spin.begin(&spin::RESPONDER) {
         loop {
             match recv_nonblocking(stream, buf) {
-                Ok(Some(n)) => return Ok(n),
+                Ok(Some(n)) => {
+                    spin.end(ep, true);
+                    return Ok(n);
+                }
                 Ok(None) => {}
                 Err(e) => return Err(e),
             }
             if shared.closed.load(Ordering::Acquire) {
                 return Ok(0);
             }
-            if Instant::now() >= until {
+            if Instant::now() >= ep.until {
+                spin.end(ep, false);
                 break;
             }
-            std::hint::spin_loop();
+            ep.pause();
         }
     }
+    let since = Instant::now();
     loop {
         match stream.read(buf) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            other => return other,
+            other => {
+                spin.blocked(since.elapsed());
+                return other;
+            }
         }
     }
 }
@@ -603,6 +618,7 @@ pub struct TcpConnection {
     ready: Vec<Completion>,
     lost: bool,
     next_expiry: Option<Instant>,
+    spin: AdaptiveSpin,
 }
 
 // SAFETY: the raw pointers in `slots` are the local buffers of posted READs;
@@ -641,6 +657,7 @@ impl TcpConnection {
             ready: Vec::new(),
             lost: false,
             next_expiry: None,
+            spin: AdaptiveSpin::new(config.spin),
             config,
         })
     }
@@ -898,41 +915,48 @@ unsafe impl Connection for TcpConnection {
             return self.poll(out);
         }
         let start = Instant::now();
-        // Spin first (non-blocking recvs) until `spin_until`, if the
-        // process's reader spin budget has a slot; the slot is given back
-        // when this call returns or the spin ends.
-        let mut spinning: Option<(spin::SpinSlot<'static>, Instant)> = None;
+        // Spin first (non-blocking recvs) while the adaptive window and the
+        // process's reader budget allow, then block.
+        let mut episode: Option<spin::Episode> = None;
         let mut spin_tried = false;
+        let mut blocked_since: Option<Instant> = None;
         loop {
-            let n = self.drain(out);
-            if n > 0 || self.outstanding == 0 {
-                return n;
-            }
-            self.check_expiry();
-            if !self.ready.is_empty() {
-                continue;
+            let mut n = self.drain(out);
+            let mut done = n > 0 || self.outstanding == 0;
+            if !done {
+                self.check_expiry();
+                if !self.ready.is_empty() {
+                    continue;
+                }
             }
             let now = Instant::now();
-            if now.duration_since(start) >= timeout {
-                return 0;
+            if !done && now.duration_since(start) >= timeout {
+                (n, done) = (0, true);
+            }
+            if done {
+                if let Some(ep) = episode.take() {
+                    self.spin.end(ep, n > 0);
+                }
+                if let Some(b) = blocked_since {
+                    self.spin.blocked(now.duration_since(b));
+                }
+                return n;
             }
             if !spin_tried {
                 spin_tried = true;
-                if !self.config.spin.is_zero() {
-                    spinning = spin::READER
-                        .try_acquire()
-                        .map(|slot| (slot, start + self.config.spin.min(timeout)));
-                }
+                episode = self.spin.begin(&spin::READER);
             }
-            if let Some((_, until)) = &spinning {
-                if now < *until {
+            if let Some(ep) = &mut episode {
+                if now < ep.until.min(start + timeout) {
                     if !self.fill(true) {
-                        std::hint::spin_loop();
+                        ep.pause();
                     }
                     continue;
                 }
-                spinning = None;
+                let ep = episode.take().expect("just matched");
+                self.spin.end(ep, false);
             }
+            blocked_since.get_or_insert(now);
             // Blocking recv: returns as soon as bytes arrive, or after the
             // socket's WAIT_QUANTUM receive timeout.
             self.fill(false);
