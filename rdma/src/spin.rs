@@ -9,9 +9,12 @@
 //! the core) sees its message only at its next time slice, while a thread
 //! that slept is woken ahead of them. So spinning backs off three ways:
 //!
-//! * **Budget.** A process lets at most `available_parallelism() - 1`
+//! * **Budget.** A process lets at most `cap = available_parallelism() - 1`
 //!   threads of each role spin at once; the rest block at once, and with one
-//!   core nobody spins.
+//!   core nobody spins. When a role has more waiters than `cap` (serving
+//!   threads, connections with spinning enabled), none of them spins: many
+//!   clients on few cores keep every core busy with real work, and a
+//!   spinner would only delay them.
 //! * **Window** ([`AdaptiveSpin`], one per serving thread or connection,
 //!   after KVM's halt polling): it starts at the configured spin; a wait
 //!   that ended by blocking longer than that halves it (traffic too sparse
@@ -28,21 +31,28 @@
 //! # Protocol
 //!
 //! **State.** Per role ([`RESPONDER`], [`READER`]), a counter of threads
-//! spinning now, `0 ..= cap`.
+//! spinning now, `0 ..= cap`, and a counter of waiters (live
+//! [`AdaptiveSpin`]s with a non-zero spin).
 //!
 //! **Fields.** `spinning` is changed only by [`SpinBudget::try_acquire`]
-//! (increment) and by dropping the [`SpinSlot`] it returned (decrement).
+//! (increment) and by dropping the [`SpinSlot`] it returned (decrement);
+//! `waiters` only by [`AdaptiveSpin::new`] (increment) and its `Drop`
+//! (decrement).
 //!
-//! **Transitions.** 1. acquire: `n -> n + 1` by CAS, only if `n < cap`;
-//! otherwise the thread does not spin. 2. release: `n -> n - 1`, exactly
-//! once per successful acquire (the slot's `Drop`).
+//! **Transitions.** 1. acquire: `n -> n + 1` by CAS, only if `n < cap`
+//! and `waiters <= cap`; otherwise the thread does not spin. 2. release:
+//! `n -> n - 1`, exactly once per successful acquire (the slot's `Drop`).
+//! 3. a waiter comes (`waiters + 1`) or goes (`waiters - 1`).
 //!
 //! **Ordering.** `Relaxed` everywhere: the counter protects no data, only
 //! CPU time; a thread that sees a stale count at worst blocks instead of
 //! spinning (or the reverse, once), and the CAS keeps the count exact.
 //!
 //! **Critical interleavings.** Two threads race for the last slot: one CAS
-//! wins, the other fails and re-reads `n == cap`, so it blocks. A spinner
+//! wins, the other fails and re-reads `n == cap`, so it blocks. A waiter
+//! arrives just after another thread checked `waiters <= cap`: that one
+//! spin episode runs anyway, bounded by its window; the next one sees the
+//! new count. A spinner
 //! that panics releases its slot while unwinding (`Drop`).
 
 use std::sync::OnceLock;
@@ -52,6 +62,7 @@ use std::time::{Duration, Instant};
 /// How many threads of one role may spin at once.
 pub(crate) struct SpinBudget {
     spinning: AtomicUsize,
+    waiters: AtomicUsize,
     /// `None`: `available_parallelism() - 1`.
     cap: Option<usize>,
 }
@@ -72,13 +83,18 @@ impl SpinBudget {
     pub(crate) const fn new(cap: Option<usize>) -> Self {
         Self {
             spinning: AtomicUsize::new(0),
+            waiters: AtomicUsize::new(0),
             cap,
         }
     }
 
-    /// A slot to spin in, or `None` when enough threads spin already.
+    /// A slot to spin in, or `None` when enough threads spin already or
+    /// more waiters than cores-to-spare share the role.
     pub(crate) fn try_acquire(&self) -> Option<SpinSlot<'_>> {
         let cap = self.cap.unwrap_or_else(default_cap);
+        if self.waiters.load(Ordering::Relaxed) > cap {
+            return None;
+        }
         self.spinning
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < cap).then_some(n + 1)
@@ -127,8 +143,8 @@ fn involuntary_switches() -> i64 {
 }
 
 /// The spin window of one waiter (a serving thread, a connection).
-#[derive(Debug)]
 pub(crate) struct AdaptiveSpin {
+    budget: &'static SpinBudget,
     max: Duration,
     window: Duration,
     /// Waits left that must not spin (after a preemption).
@@ -159,9 +175,14 @@ impl Episode {
 }
 
 impl AdaptiveSpin {
-    /// Spins of up to `max`; zero never spins.
-    pub(crate) fn new(max: Duration) -> Self {
+    /// A waiter of `budget`'s role spinning up to `max`; zero never spins
+    /// (and does not count as a waiter).
+    pub(crate) fn new(budget: &'static SpinBudget, max: Duration) -> Self {
+        if !max.is_zero() {
+            budget.waiters.fetch_add(1, Ordering::Relaxed);
+        }
         Self {
+            budget,
             max,
             window: max,
             cooldown: 0,
@@ -170,8 +191,8 @@ impl AdaptiveSpin {
     }
 
     /// Starts a spin, or `None` to block at once (no window, cooling down
-    /// after a preemption, or `budget` full).
-    pub(crate) fn begin(&mut self, budget: &'static SpinBudget) -> Option<Episode> {
+    /// after a preemption, or the budget full).
+    pub(crate) fn begin(&mut self) -> Option<Episode> {
         if self.window.is_zero() {
             return None;
         }
@@ -179,7 +200,7 @@ impl AdaptiveSpin {
             self.cooldown -= 1;
             return None;
         }
-        let slot = budget.try_acquire()?;
+        let slot = self.budget.try_acquire()?;
         Some(Episode {
             _slot: slot,
             until: Instant::now() + self.window,
@@ -220,6 +241,14 @@ impl AdaptiveSpin {
     }
 }
 
+impl Drop for AdaptiveSpin {
+    fn drop(&mut self) {
+        if !self.max.is_zero() {
+            self.budget.waiters.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,36 +271,41 @@ mod tests {
     fn window_shrinks_when_blocking_long_and_grows_back() {
         static B: SpinBudget = SpinBudget::new(Some(1));
         let max = Duration::from_micros(80);
-        let mut a = AdaptiveSpin::new(max);
+        let mut a = AdaptiveSpin::new(&B, max);
         for _ in 0..10 {
             a.blocked(Duration::from_millis(5));
         }
         assert_eq!(a.window, Duration::ZERO, "sparse traffic stops spinning");
-        assert!(a.begin(&B).is_none());
+        assert!(a.begin().is_none());
         a.blocked(Duration::from_micros(20));
         assert_eq!(a.window, max / 8, "short blocking waits bring it back");
         for _ in 0..5 {
             a.blocked(Duration::from_micros(20));
         }
         assert_eq!(a.window, max);
-        let ep = a.begin(&B).expect("a window and a free budget");
+        let ep = a.begin().expect("a window and a free budget");
         assert!(B.try_acquire().is_none(), "the episode holds the slot");
         a.end(ep, true);
         assert!(B.try_acquire().is_some(), "ending the episode frees it");
-        assert!(AdaptiveSpin::new(Duration::ZERO).begin(&B).is_none());
+        assert!(AdaptiveSpin::new(&B, Duration::ZERO).begin().is_none());
+        // A second waiter in a role with one core to spare: nobody spins.
+        let b = AdaptiveSpin::new(&B, max);
+        assert!(a.begin().is_none(), "two waiters, cap 1");
+        drop(b);
+        assert!(a.begin().is_some(), "alone again");
     }
 
     #[test]
     fn preemption_while_spinning_cools_down() {
         static B: SpinBudget = SpinBudget::new(Some(4));
-        let mut a = AdaptiveSpin::new(Duration::from_micros(50));
-        let mut ep = a.begin(&B).expect("spin");
+        let mut a = AdaptiveSpin::new(&B, Duration::from_micros(50));
+        let mut ep = a.begin().expect("spin");
         ep.switches = -1; // as if preempted during the spin
         a.end(ep, true);
         for _ in 0..COOLDOWN_START {
-            assert!(a.begin(&B).is_none(), "cooling down");
+            assert!(a.begin().is_none(), "cooling down");
         }
-        let ep = a.begin(&B).expect("spins again after the cooldown");
+        let ep = a.begin().expect("spins again after the cooldown");
         a.end(ep, true);
         assert_eq!(a.next_cooldown, COOLDOWN_START);
     }

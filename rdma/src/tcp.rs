@@ -66,8 +66,9 @@
 //! default), then block: a loopback round trip costs about 7 µs when both
 //! sides spin and 60–70 µs when each answer has to wake a sleeping thread
 //! on an idle core. At most `available_parallelism() - 1` serving threads,
-//! and as many waiting readers, spin at once in a process; the others block
-//! at once, so many clients on few cores do not burn them. Each waiter's
+//! and as many waiting readers, spin at once in a process, and none while
+//! more than that many share the role; the others block at once, so many
+//! clients on few cores do not burn them. Each waiter's
 //! window adapts: it shrinks to nothing when its traffic is too sparse for a
 //! spin to catch, and a waiter preempted while spinning (cores
 //! oversubscribed) stops spinning for a while (see `spin.rs`). A spin of
@@ -408,7 +409,7 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     let mut input = vec![0u8; 64 << 10];
     let mut have = 0;
     let mut out: Vec<u8> = Vec::with_capacity(256 << 10);
-    let mut spin = AdaptiveSpin::new(shared.config.spin);
+    let mut spin = AdaptiveSpin::new(&spin::RESPONDER, shared.config.spin);
     loop {
         let n = recv_request(&mut stream, &mut input[have..], shared, &mut spin)?;
         if n == 0 || shared.closed.load(Ordering::Acquire) {
@@ -438,7 +439,7 @@ fn recv_request(
     shared: &Shared,
     spin: &mut AdaptiveSpin,
 ) -> io::Result<usize> {
-    if let Some(mut ep) = spin.begin(&spin::RESPONDER) {
+    if let Some(mut ep) = spin.begin() {
         loop {
             match recv_nonblocking(stream, buf) {
                 Ok(Some(n)) => {
@@ -657,7 +658,7 @@ impl TcpConnection {
             ready: Vec::new(),
             lost: false,
             next_expiry: None,
-            spin: AdaptiveSpin::new(config.spin),
+            spin: AdaptiveSpin::new(&spin::READER, config.spin),
             config,
         })
     }
@@ -944,7 +945,7 @@ unsafe impl Connection for TcpConnection {
             }
             if !spin_tried {
                 spin_tried = true;
-                episode = self.spin.begin(&spin::READER);
+                episode = self.spin.begin();
             }
             if let Some(ep) = &mut episode {
                 if now < ep.until.min(start + timeout) {
