@@ -20,6 +20,12 @@
 //!   mapped read-only by readers, copied with word-sized atomic loads. No
 //!   owner CPU at all.
 //!
+//! Memory: `verbs` and `tcp` register either memory they allocate or the
+//! caller's (`register_external`, served in place); `shm` serves its region
+//! files' mappings, which the owner allocates through it and uses in place.
+//! Every descriptor of an owner carries the owner's epoch, random or chosen
+//! by the caller (the node's incarnation), never 0 ([`OwnerError::ZeroEpoch`]).
+//!
 //! [`Chaos`] makes the `tcp` and `shm` copies visit cache lines in random order
 //! and pause mid-copy, so that torn reads really happen in tests: no RDMA NIC
 //! promises that a READ observes memory in ascending address order, so a
