@@ -402,7 +402,9 @@ impl VerbsOwner {
     /// The region keeps `owner` alive until it is dropped; the drop
     /// deregisters the memory region first (`ibv_dereg_mr`: the NIC no
     /// longer reads the memory, and READs with its rkey fail), then releases
-    /// `owner`.
+    /// `owner`. A READ in flight at that moment may complete with
+    /// [`ReadError::ConnectionLost`] rather than a remote access error (seen
+    /// once under soft-RoCE): the reader reconnects.
     ///
     /// # Safety
     /// * `ptr..ptr + len` is valid for reads and writes for as long as
