@@ -9,6 +9,19 @@
 //! (a wrong page fails the run). Latency is per READ: from the post of its
 //! batch to its completion, one clock read per completion. Each row runs
 //! `--runs` times for `--seconds`; the table shows medians over the runs.
+//!
+//! `tcp` runs with adaptive polling (responder and reader spin on their
+//! sockets for `--spin-us` before blocking), `tcp_nospin` with spin 0 (both
+//! block at once), side by side, so the latency a spin buys and the CPU it
+//! costs are visible together.
+//!
+//! CPU per READ is this process's user + system CPU time (`getrusage`,
+//! `RUSAGE_SELF`) over the measurement, divided by the READs completed. It
+//! counts every thread of this process: for `tcp`/`tcp_nospin` and
+//! `raw_tcp` on loopback that is the readers **and** the responder (server)
+//! threads, both sides of the transport; for `shm` and `memcpy` the readers
+//! alone (there is no other side); for `redis` only the clients, since
+//! `redis-server` is another process.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -51,13 +64,18 @@ pub struct TransportArgs {
     /// READs per batch (one doorbell; a Redis pipeline), comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pub batch: Vec<usize>,
-    /// Transports to run, comma-separated: shm, tcp, raw_tcp, memcpy, redis.
+    /// Transports to run, comma-separated: shm, tcp, tcp_nospin (tcp with
+    /// spin 0 on both sides), raw_tcp, memcpy, redis.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "shm,memcpy,tcp,raw_tcp,redis"
+        default_value = "shm,memcpy,tcp,tcp_nospin,raw_tcp,redis"
     )]
     pub transports: Vec<String>,
+    /// Adaptive polling of the `tcp` rows: how long the responder and the
+    /// reader spin on their sockets before blocking, microseconds.
+    #[arg(long, default_value_t = 50)]
+    pub spin_us: u64,
     /// The redis-server binary.
     #[arg(long, default_value = "redis-server")]
     pub redis_server: String,
@@ -71,6 +89,9 @@ struct Row {
     ops_per_sec: f64,
     p50_us: f64,
     p99_us: f64,
+    /// User + system CPU of this whole process per READ, µs (see the module
+    /// doc for which sides of a transport that includes).
+    cpu_us_per_read: f64,
 }
 
 #[derive(Serialize)]
@@ -88,6 +109,7 @@ struct Params {
     clients: Vec<usize>,
     batch: Vec<usize>,
     transports: Vec<String>,
+    spin_us: u64,
 }
 
 #[derive(Serialize)]
@@ -399,6 +421,19 @@ fn start_redis(bin: &str, pages: u64) -> anyhow::Result<Option<Redis>> {
     Ok(Some(redis))
 }
 
+/// User + system CPU time of this process so far, µs.
+fn process_cpu_us() -> f64 {
+    // SAFETY: `getrusage` fills the zeroed struct we pass; RUSAGE_SELF is
+    // always valid.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let us = |t: libc::timeval| t.tv_sec as f64 * 1e6 + t.tv_usec as f64;
+    us(ru.ru_utime) + us(ru.ru_stime)
+}
+
 /// Runs `clients` clients for `secs`, each reading random batches.
 fn measure(
     clients: Vec<Box<dyn Client>>,
@@ -432,6 +467,7 @@ fn measure(
             })
         })
         .collect();
+    let cpu0 = process_cpu_us();
     start.wait();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(secs));
@@ -445,6 +481,7 @@ fn measure(
         ops += o;
     }
     let el = t0.elapsed().as_secs_f64();
+    let cpu = process_cpu_us() - cpu0;
     Ok(Row {
         transport: String::new(),
         clients: n,
@@ -452,6 +489,7 @@ fn measure(
         ops_per_sec: ops as f64 / el,
         p50_us: total.value_at_quantile(0.5) as f64 / 1000.0,
         p99_us: total.value_at_quantile(0.99) as f64 / 1000.0,
+        cpu_us_per_read: cpu / ops.max(1) as f64,
     })
 }
 
@@ -489,7 +527,7 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
     } else {
         (args.seconds, args.runs.max(1), args.region_mib)
     };
-    const KNOWN: [&str; 5] = ["shm", "tcp", "raw_tcp", "memcpy", "redis"];
+    const KNOWN: [&str; 6] = ["shm", "tcp", "tcp_nospin", "raw_tcp", "memcpy", "redis"];
     if let Some(t) = args
         .transports
         .iter()
@@ -506,6 +544,8 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
     if !(secs > 0.0 && secs.is_finite()) {
         bail!("--seconds must be a positive number");
     }
+    let spin = Duration::from_micros(args.spin_us);
+    let spin_of = |t: &str| if t == "tcp" { spin } else { Duration::ZERO };
     let pages = (region_mib.max(1) * (1 << 20) / PAGE) as u64;
     let len = pages as usize * PAGE;
     let mut plain = vec![0u8; len];
@@ -532,9 +572,10 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
                 shm_region = Some(r);
                 shm_owner = Some(owner);
             }
-            "tcp" => {
-                let resp =
-                    TcpResponder::bind((Ipv4Addr::LOCALHOST, 0), ResponderConfig::new(TOKEN))?;
+            "tcp" | "tcp_nospin" => {
+                let mut config = ResponderConfig::new(TOKEN);
+                config.spin = spin_of(t);
+                let resp = TcpResponder::bind((Ipv4Addr::LOCALHOST, 0), config)?;
                 let r = resp.register(len)?;
                 r.write_bytes(0, &plain);
                 tcp_region = Some(r);
@@ -551,7 +592,9 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
                     continue;
                 }
             },
-            other => bail!("unknown transport {other:?} (shm, tcp, raw_tcp, memcpy, redis)"),
+            other => {
+                bail!("unknown transport {other:?} (shm, tcp, tcp_nospin, raw_tcp, memcpy, redis)")
+            }
         }
         for &clients in &args.clients {
             for &batch in &args.batch {
@@ -570,10 +613,13 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
                                 reqs: Vec::with_capacity(batch),
                                 done: Vec::new(),
                             }),
-                            "tcp" => Box::new(ConnClient {
+                            "tcp" | "tcp_nospin" => Box::new(ConnClient {
                                 conn: TcpConnection::connect(
                                     responder.as_ref().expect("responder").local_addr(),
-                                    ConnectionConfig::new(TOKEN),
+                                    ConnectionConfig {
+                                        spin: spin_of(t),
+                                        ..ConnectionConfig::new(TOKEN)
+                                    },
                                 )?,
                                 region: tcp_region.as_ref().expect("tcp region").descriptor(),
                                 bufs: vec![vec![0u8; PAGE]; batch],
@@ -611,6 +657,7 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
                     ops_per_sec: median(samples.iter().map(|r| r.ops_per_sec).collect()),
                     p50_us: median(samples.iter().map(|r| r.p50_us).collect()),
                     p99_us: median(samples.iter().map(|r| r.p99_us).collect()),
+                    cpu_us_per_read: median(samples.iter().map(|r| r.cpu_us_per_read).collect()),
                 });
             }
         }
@@ -629,6 +676,7 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
             clients: args.clients.clone(),
             batch: args.batch.clone(),
             transports: args.transports.clone(),
+            spin_us: args.spin_us,
         },
         results: rows,
         targets,
@@ -731,13 +779,23 @@ fn print_table(r: &Report) {
         r.params.region_mib
     );
     println!(
-        "{:<9} {:>7} {:>5} {:>14} {:>10} {:>10}",
-        "transport", "clients", "batch", "ops/s", "p50 us", "p99 us"
+        "tcp spins {} us before blocking, tcp_nospin 0; cpu us/read: user+sys CPU of this process per READ (tcp, raw_tcp: readers and responder together; redis: clients only)",
+        r.params.spin_us
+    );
+    println!(
+        "{:<10} {:>7} {:>5} {:>14} {:>10} {:>10} {:>12}",
+        "transport", "clients", "batch", "ops/s", "p50 us", "p99 us", "cpu us/read"
     );
     for row in &r.results {
         println!(
-            "{:<9} {:>7} {:>5} {:>14.0} {:>10.2} {:>10.2}",
-            row.transport, row.clients, row.batch, row.ops_per_sec, row.p50_us, row.p99_us
+            "{:<10} {:>7} {:>5} {:>14.0} {:>10.2} {:>10.2} {:>12.2}",
+            row.transport,
+            row.clients,
+            row.batch,
+            row.ops_per_sec,
+            row.p50_us,
+            row.p99_us,
+            row.cpu_us_per_read
         );
     }
     for s in &r.skipped {

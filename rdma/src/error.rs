@@ -107,3 +107,21 @@ pub enum RegisterError {
     #[error("the owner is closed")]
     Closed,
 }
+
+/// Why an owner (a `tcp` responder, an `shm` owner, a `verbs` owner) could
+/// not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OwnerError {
+    /// Epoch 0 was asked for. It is reserved: it is what an unset field
+    /// reads as (a protobuf default, a zeroed superblock), so no live owner
+    /// may carry it and a descriptor with epoch 0 never matches one.
+    #[error("epoch 0 is reserved (it is what an unset epoch reads as)")]
+    ZeroEpoch,
+    /// The operating system refused (bind, file creation, mmap).
+    #[error("i/o error while starting the owner")]
+    Io(#[from] io::Error),
+    /// The RDMA device could not be opened or configured (verbs).
+    #[error("rdma device error: {0}")]
+    Device(String),
+}

@@ -20,6 +20,12 @@
 //!   mapped read-only by readers, copied with word-sized atomic loads. No
 //!   owner CPU at all.
 //!
+//! Memory: `verbs` and `tcp` register either memory they allocate or the
+//! caller's (`register_external`, served in place); `shm` serves its region
+//! files' mappings, which the owner allocates through it and uses in place.
+//! Every descriptor of an owner carries the owner's epoch, random or chosen
+//! by the caller (the node's incarnation), never 0 ([`OwnerError::ZeroEpoch`]).
+//!
 //! [`Chaos`] makes the `tcp` and `shm` copies visit cache lines in random order
 //! and pause mid-copy, so that torn reads really happen in tests: no RDMA NIC
 //! promises that a READ observes memory in ascending address order, so a
@@ -40,7 +46,9 @@ mod copy;
 mod descriptor;
 mod error;
 mod handshake;
+mod memory;
 pub mod shm;
+mod spin;
 pub mod tcp;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -53,7 +61,8 @@ pub use async_conn::AsyncConnection;
 pub use conn::{Completion, Connection, Limits, ReadRequest, read_blocking};
 pub use copy::Chaos;
 pub use descriptor::{DecodeError, RegionDescriptor};
-pub use error::{AccessFault, ConnectError, PostError, ReadError, RegisterError};
+pub use error::{AccessFault, ConnectError, OwnerError, PostError, ReadError, RegisterError};
+pub use memory::MemoryOwner;
 
 /// Memory registered for remote READ on the owner's side, whatever the backend.
 ///

@@ -7,6 +7,25 @@
 //! rewriting the bytes, so a READ may be torn and the reader validates it, as
 //! with a NIC. Access control is the files' permissions (the process umask).
 //!
+//! The memory served is the region file's shared mapping itself, so unlike
+//! `tcp` and `verbs` there is no `register_external`: whatever the owner
+//! wants readers to see (for the node, its whole page-cache region) must be
+//! allocated with [`ShmOwner::register`] and used in place. Its data starts
+//! one 4 KiB header page into the file, so it is page-aligned on 4 KiB-page
+//! kernels (x86-64; only 4 KiB-aligned under 16 or 64 KiB pages). The owner
+//! asks for transparent huge pages on each region mapping
+//! (`madvise(MADV_HUGEPAGE)`), a hint: for files on a tmpfs such as
+//! `/dev/shm` the mount's `huge=` option decides (`advise` and
+//! `within_size` honour it, `always` needs none, `never`, the default,
+//! ignores it), overridden by `deny` or `force` in
+//! `/sys/kernel/mm/transparent_hugepage/shmem_enabled`; the owner logs at
+//! debug level when the hint will be ignored.
+//!
+//! Every region of an owner carries the owner's incarnation as its epoch:
+//! random ([`ShmOwner::create_in`]) or the caller's
+//! ([`ShmOwner::create_in_with_epoch`], e.g. the node's incarnation, so that
+//! `shm`, `tcp` and `verbs` descriptors of one node carry one epoch).
+//!
 //! # Files (integers little-endian, native word atomics)
 //!
 //! Control file `pagewire-{name}`, one page:
@@ -16,7 +35,7 @@
 //! | 0 | 8 | magic `PWSHMCTL` |
 //! | 8 | 4 | layout version, 1 |
 //! | 12 | 4 | owner pid |
-//! | 16 | 8 | incarnation (random, the epoch of every region of this owner) |
+//! | 16 | 8 | incarnation (the epoch of every region of this owner; never 0) |
 //! | 24 | 8 | state: 1 = live, 2 = closed |
 //!
 //! Region file `pagewire-{name}-{rkey:08x}`: a header page, then the data:
@@ -77,9 +96,10 @@ use std::time::Duration;
 use memmap2::{Mmap, MmapMut};
 
 use crate::copy::{Chaos, copy_from_shared_raw};
+use crate::memory::choose_epoch;
 use crate::{
-    AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, PostError, ReadError,
-    ReadRequest, RegionDescriptor, RegisterError,
+    AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, OwnerError, PostError,
+    ReadError, ReadRequest, RegionDescriptor, RegisterError,
 };
 
 const CTL_MAGIC: u64 = u64::from_le_bytes(*b"PWSHMCTL");
@@ -169,11 +189,51 @@ fn remove_stale_regions(dir: &Path, name: &str) {
     }
 }
 
+/// The transparent-huge-page policy for shmem files in `dir`: `deny` or
+/// `force` from `shmem_enabled`, else the `huge=` option of the tmpfs mount
+/// holding `dir` (`never` when absent). `None` when `dir` is not on a tmpfs
+/// or the system does not say.
+fn huge_page_policy(dir: &Path) -> Option<String> {
+    let sys = fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+    let selected = sys
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))?;
+    if selected == "deny" || selected == "force" {
+        return Some(format!("{selected} (shmem_enabled)"));
+    }
+    let dir = fs::canonicalize(dir).ok()?;
+    let mounts = fs::read_to_string("/proc/self/mounts").ok()?;
+    let (_, fstype, opts) = mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 4 && dir.starts_with(f[1])).then(|| (f[1], f[2], f[3]))
+        })
+        .max_by_key(|(mount, _, _)| mount.len())?;
+    if fstype != "tmpfs" {
+        return None;
+    }
+    let huge = opts
+        .split(',')
+        .find_map(|o| o.strip_prefix("huge="))
+        .unwrap_or("never");
+    Some(format!("{huge} (tmpfs huge=)"))
+}
+
+/// Asks for transparent huge pages on a region mapping (before its pages
+/// are touched); a hint, so a refusal is only logged.
+fn advise_huge(map: &MmapMut) {
+    if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+        tracing::debug!(error = %e, "shm owner: madvise(MADV_HUGEPAGE) refused");
+    }
+}
+
 /// Creates `path` with `len` bytes through a temporary name; `init` fills the
-/// mapping before the rename publishes it.
+/// mapping before the rename publishes it. `huge`: ask for huge pages first.
 fn publish(
     path: &Path,
     len: usize,
+    huge: bool,
     init: impl FnOnce(&mut MmapMut),
 ) -> io::Result<(MmapMut, File)> {
     let tmp = path.with_extension(format!("tmp{}", fastrand::u64(..)));
@@ -187,6 +247,9 @@ fn publish(
         file.set_len(len as u64)?;
         // SAFETY: a fresh file of ours; nobody else maps it yet (temporary name).
         let mut map = unsafe { MmapMut::map_mut(&file)? };
+        if huge {
+            advise_huge(&map);
+        }
         init(&mut map);
         fs::rename(&tmp, path)?;
         Ok(map)
@@ -219,11 +282,32 @@ impl ShmOwner {
         Self::create_in(Path::new(DEFAULT_DIR), name)
     }
 
-    /// As [`ShmOwner::create`], in directory `dir`.
+    /// As [`ShmOwner::create`], in directory `dir`, with a random incarnation.
     ///
     /// # Errors
     /// A bad name, a live owner of the same name, or a file error.
     pub fn create_in(dir: &Path, name: &str) -> io::Result<Self> {
+        let incarnation = choose_epoch(None).map_err(|e| match e {
+            OwnerError::Io(e) => e,
+            other => io::Error::other(other),
+        })?;
+        Self::create_inner(dir, name, incarnation)
+    }
+
+    /// As [`ShmOwner::create_in`], with incarnation `epoch`: every region's
+    /// descriptor carries it (the node passes its own incarnation, so that
+    /// all its backends' descriptors agree).
+    ///
+    /// # Errors
+    /// [`OwnerError::ZeroEpoch`] for epoch 0 (reserved); otherwise
+    /// [`OwnerError::Io`]: a bad name, a live owner of the same name, or a
+    /// file error.
+    pub fn create_in_with_epoch(dir: &Path, name: &str, epoch: u64) -> Result<Self, OwnerError> {
+        let incarnation = choose_epoch(Some(epoch))?;
+        Ok(Self::create_inner(dir, name, incarnation)?)
+    }
+
+    fn create_inner(dir: &Path, name: &str, incarnation: u64) -> io::Result<Self> {
         check_name(name)?;
         let path = ctl_path(dir, name);
         if let Ok(old) = open_ctl(&path)
@@ -235,11 +319,22 @@ impl ShmOwner {
             ));
         }
         remove_stale_regions(dir, name);
-        let mut e = [0u8; 8];
-        getrandom::fill(&mut e).map_err(io::Error::other)?;
-        let incarnation = u64::from_le_bytes(e) | 1;
+        match huge_page_policy(dir) {
+            Some(p) if p.starts_with("never") || p.starts_with("deny") => tracing::debug!(
+                policy = %p,
+                dir = %dir.display(),
+                "shm owner: huge pages refused for region files, MADV_HUGEPAGE has no effect"
+            ),
+            Some(p) => {
+                tracing::debug!(policy = %p, dir = %dir.display(), "shm owner: huge page policy")
+            }
+            None => tracing::debug!(
+                dir = %dir.display(),
+                "shm owner: not a tmpfs (or no THP): MADV_HUGEPAGE may have no effect"
+            ),
+        }
         let pid = std::process::id();
-        let (ctl, _file) = publish(&path, HEADER, |m| {
+        let (ctl, _file) = publish(&path, HEADER, false, |m| {
             let base = m.as_mut_ptr();
             // SAFETY: `base` is a fresh one-page mapping.
             unsafe {
@@ -261,7 +356,10 @@ impl ShmOwner {
         })
     }
 
-    /// Allocates and publishes a region of `len` zeroed bytes.
+    /// Allocates and publishes a region of `len` zeroed bytes: the region
+    /// file's mapping, which readers map too, so the owner keeps its data
+    /// (e.g. its whole page cache) in place there. The data is page-aligned
+    /// (4 KiB pages) and the mapping is advised to use huge pages.
     ///
     /// # Errors
     /// Zero length, a closed owner, or a file error.
@@ -279,7 +377,7 @@ impl ShmOwner {
                 continue;
             }
             let epoch = self.incarnation;
-            let res = publish(&path, HEADER + len, |m| {
+            let res = publish(&path, HEADER + len, true, |m| {
                 let base = m.as_mut_ptr();
                 // SAFETY: a fresh mapping of `HEADER + len` bytes.
                 unsafe {
@@ -320,6 +418,12 @@ impl ShmOwner {
         // Acquire load of the state in `ShmConnection::owner_live`.
         unsafe { word(self.ctl.as_ptr(), W_CTL_STATE) }.store(DEAD, Ordering::Release);
         let _ = fs::remove_file(ctl_path(&self.dir, &self.name));
+    }
+
+    /// The incarnation: the epoch of every region of this owner.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.incarnation
     }
 
     /// The owner's name, for [`ShmConnection::connect`].
@@ -484,6 +588,10 @@ impl ShmConnection {
             }
             // SAFETY: a read-only shared mapping; every access to it is atomic.
             let map = unsafe { Mmap::map(&file) }.map_err(|_| AccessFault::UnknownKey)?;
+            // Huge pages for the reader's mapping too (a hint; see the module doc).
+            if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+                tracing::debug!(error = %e, "shm connection: madvise(MADV_HUGEPAGE) refused");
+            }
             let base = map.as_ptr();
             // SAFETY: at least one page, checked above.
             let (magic, vr, len) = unsafe {

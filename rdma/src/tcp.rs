@@ -1,9 +1,14 @@
 //! `tcp`: a software NIC for clusters without RDMA.
 //!
-//! The owner runs a [`TcpResponder`]: it registers regions (anonymous
-//! mappings it owns) and serves READ requests straight from them — checked
-//! against the rkey, the epoch and the region's bounds, never calling into a
-//! page cache. A bad request gets an error reply, never a byte outside the
+//! The owner runs a [`TcpResponder`]: it registers regions and serves READ
+//! requests straight from them — checked against the rkey, the epoch and the
+//! region's bounds, never calling into a page cache. A region is either an
+//! anonymous mapping the responder allocates ([`TcpResponder::register`]) or
+//! memory the caller already has ([`TcpResponder::register_external`], e.g.
+//! the node's whole page-cache region), served in place, without a copy
+//! beyond the one into the socket. Every region of a responder carries its
+//! epoch: [`ResponderConfig::epoch`] (the node's incarnation), or a random
+//! one. A bad request gets an error reply, never a byte outside the
 //! region, and the connection carries on. A reader opens a [`TcpConnection`],
 //! which pipelines many outstanding requests and writes a whole batch with
 //! one `send`; the responder answers everything one `recv` brought in with
@@ -52,22 +57,39 @@
 //! validates what it gets). Flow control: a client keeps at most
 //! `max_outstanding` requests in flight (40 KiB of requests at the default
 //! 1024), so neither side can block the other's progress.
+//!
+//! # Adaptive polling
+//!
+//! A serving thread that answered, and a reader that waits for answers,
+//! first poll their socket without blocking for up to
+//! [`ResponderConfig::spin`] / [`ConnectionConfig::spin`] (50 µs by
+//! default), then block: a loopback round trip costs about 7 µs when both
+//! sides spin and 60–70 µs when each answer has to wake a sleeping thread
+//! on an idle core. At most `available_parallelism() - 1` serving threads,
+//! and as many waiting readers, spin at once in a process, and none while
+//! more than that many share the role; the others block at once, so many
+//! clients on few cores do not burn them. Each waiter's
+//! window adapts: it shrinks to nothing when its traffic is too sparse for a
+//! spin to catch, and a waiter preempted while spinning (cores
+//! oversubscribed) stops spinning for a while (see `spin.rs`). A spin of
+//! zero blocks at once.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use memmap2::MmapMut;
-
 use crate::copy::{Chaos, copy_from_shared_raw};
+use crate::memory::{Memory, MemoryOwner, choose_epoch};
+use crate::spin::AdaptiveSpin;
 use crate::{
-    AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, PostError, ReadError,
-    ReadRequest, RegionDescriptor, RegisterError, handshake,
+    AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, OwnerError, PostError,
+    ReadError, ReadRequest, RegionDescriptor, RegisterError, handshake, spin,
 };
 
 const MAGIC: &[u8; 8] = b"PWTCP\0\0\x01";
@@ -87,6 +109,8 @@ const ST_BAD_REQUEST: u8 = 4;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Granularity of a blocking `wait`.
 const WAIT_QUANTUM: Duration = Duration::from_millis(10);
+/// Default of [`ResponderConfig::spin`] and [`ConnectionConfig::spin`].
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// Settings of a [`TcpResponder`].
 #[derive(Debug, Clone)]
@@ -97,30 +121,35 @@ pub struct ResponderConfig {
     pub chaos: Option<Chaos>,
     /// Largest READ served, in bytes.
     pub max_read_len: u32,
+    /// The epoch every descriptor of this responder carries (the node's
+    /// incarnation); `None` picks a random one. Zero is reserved
+    /// ([`OwnerError::ZeroEpoch`]).
+    pub epoch: Option<u64>,
+    /// How long a serving thread polls its socket without blocking after
+    /// answering, before it blocks; zero blocks at once. At most
+    /// `available_parallelism() - 1` threads of the process spin at once.
+    pub spin: Duration,
 }
 
 impl ResponderConfig {
-    /// Defaults: no chaos, READs up to 16 MiB.
+    /// Defaults: no chaos, READs up to 16 MiB, a random epoch, spin
+    /// [`DEFAULT_SPIN`].
     #[must_use]
     pub fn new(token: impl Into<Vec<u8>>) -> Self {
         Self {
             token: token.into(),
             chaos: None,
             max_read_len: 16 << 20,
+            epoch: None,
+            spin: DEFAULT_SPIN,
         }
     }
 }
 
 struct RegionMem {
-    map: MmapMut,
+    mem: Memory,
     rkey: u32,
     epoch: u64,
-}
-
-impl RegionMem {
-    fn addr(&self) -> u64 {
-        self.map.as_ptr() as u64
-    }
 }
 
 struct Shared {
@@ -147,15 +176,15 @@ impl TcpResponder {
     /// Listens on `addr` (use port 0 for any free port) and starts serving.
     ///
     /// # Errors
-    /// The socket could not be bound.
-    pub fn bind(addr: impl ToSocketAddrs, config: ResponderConfig) -> io::Result<Self> {
+    /// [`OwnerError::ZeroEpoch`] when the config asks for epoch 0;
+    /// [`OwnerError::Io`] when the socket could not be bound.
+    pub fn bind(addr: impl ToSocketAddrs, config: ResponderConfig) -> Result<Self, OwnerError> {
+        let epoch = choose_epoch(config.epoch)?;
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
-        let mut e = [0u8; 8];
-        getrandom::fill(&mut e).map_err(io::Error::other)?;
         let shared = Arc::new(Shared {
             config,
-            epoch: u64::from_le_bytes(e) | 1,
+            epoch,
             regions: RwLock::new(HashMap::new()),
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
@@ -181,6 +210,12 @@ impl TcpResponder {
         self.addr
     }
 
+    /// The epoch every descriptor of this responder carries.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch
+    }
+
     /// Allocates and registers `len` zeroed bytes (page-aligned) for remote READ.
     ///
     /// # Errors
@@ -192,7 +227,49 @@ impl TcpResponder {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(RegisterError::Closed);
         }
-        let map = MmapMut::map_anon(len)?;
+        self.insert(Memory::anon(len)?)
+    }
+
+    /// Registers `len` bytes the caller already has at `ptr` for remote READ,
+    /// served in place exactly like a region of [`TcpResponder::register`]
+    /// (same rkey, epoch and bounds checks). The region keeps `owner` alive
+    /// until it is dropped; after the drop returns, the responder never
+    /// touches the memory again and READs of it fail with
+    /// [`AccessFault::UnknownKey`].
+    ///
+    /// # Safety
+    /// * `ptr..ptr + len` is valid for reads and writes for as long as
+    ///   `owner` is alive (it stays mapped; no `munmap`, `mremap` or
+    ///   `MAP_FIXED` over it).
+    /// * While the returned region lives, every write to that memory is
+    ///   atomic (e.g. `AtomicU64` stores, [`LocalRegion::write_bytes`]),
+    ///   volatile, or made by the kernel or a device, and nobody holds a
+    ///   `&mut` to any of it: serving threads read it concurrently with
+    ///   atomic loads, so a plain store would be a data race.
+    ///
+    /// # Errors
+    /// Zero length, a range that wraps the address space, or a closed
+    /// responder.
+    pub unsafe fn register_external(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> Result<TcpRegion, RegisterError> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::Closed);
+        }
+        // SAFETY: forwarded from this function's contract.
+        let mem = unsafe { Memory::external(ptr, len, owner) }?;
+        tracing::debug!(
+            addr = mem.addr(),
+            len,
+            "tcp responder: registered external memory"
+        );
+        self.insert(mem)
+    }
+
+    fn insert(&self, mem: Memory) -> Result<TcpRegion, RegisterError> {
         let mut regions = self.shared.regions.write().expect("regions lock");
         let rkey = loop {
             let k = fastrand::u32(1..);
@@ -201,7 +278,7 @@ impl TcpResponder {
             }
         };
         let mem = Arc::new(RegionMem {
-            map,
+            mem,
             rkey,
             epoch: self.shared.epoch,
         });
@@ -237,7 +314,8 @@ impl Drop for TcpResponder {
     }
 }
 
-/// A region registered with a [`TcpResponder`]; deregistered on drop.
+/// A region registered with a [`TcpResponder`]; deregistered on drop (after
+/// which no serving thread reads its memory).
 pub struct TcpRegion {
     mem: Arc<RegionMem>,
     shared: Weak<Shared>,
@@ -246,24 +324,28 @@ pub struct TcpRegion {
 impl LocalRegion for TcpRegion {
     fn descriptor(&self) -> RegionDescriptor {
         RegionDescriptor {
-            addr: self.mem.addr(),
-            len: self.mem.map.len() as u64,
+            addr: self.mem.mem.addr(),
+            len: self.mem.mem.len() as u64,
             rkey: self.mem.rkey,
             epoch: self.mem.epoch,
         }
     }
 
     fn as_ptr(&self) -> *mut u8 {
-        self.mem.map.as_ptr().cast_mut()
+        self.mem.mem.ptr()
     }
 
     fn len(&self) -> usize {
-        self.mem.map.len()
+        self.mem.mem.len()
     }
 }
 
 impl Drop for TcpRegion {
     fn drop(&mut self) {
+        // Serving threads copy under the table's read lock: taking the write
+        // lock waits for every copy in progress, and later requests no
+        // longer find the rkey. Only then does `self.mem` (and with it an
+        // external region's owner guard) go.
         if let Some(shared) = self.shared.upgrade() {
             shared
                 .regions
@@ -327,8 +409,9 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     let mut input = vec![0u8; 64 << 10];
     let mut have = 0;
     let mut out: Vec<u8> = Vec::with_capacity(256 << 10);
+    let mut spin = AdaptiveSpin::new(&spin::RESPONDER, shared.config.spin);
     loop {
-        let n = stream.read(&mut input[have..])?;
+        let n = recv_request(&mut stream, &mut input[have..], shared, &mut spin)?;
         if n == 0 || shared.closed.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -344,6 +427,70 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
         input.copy_within(whole..have, 0);
         have -= whole;
         stream.write_all(&out)?;
+    }
+}
+
+/// Receives the next request bytes: polls without blocking while `spin`
+/// allows (its window, the process's budget), then blocks. Returns 0 at end
+/// of stream or when the responder closed.
+fn recv_request(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    shared: &Shared,
+    spin: &mut AdaptiveSpin,
+) -> io::Result<usize> {
+    if let Some(mut ep) = spin.begin() {
+        loop {
+            match recv_nonblocking(stream, buf) {
+                Ok(Some(n)) => {
+                    spin.end(ep, true);
+                    return Ok(n);
+                }
+                Ok(None) => {}
+                Err(e) => return Err(e),
+            }
+            if shared.closed.load(Ordering::Acquire) {
+                return Ok(0);
+            }
+            if Instant::now() >= ep.until {
+                spin.end(ep, false);
+                break;
+            }
+            ep.pause();
+        }
+    }
+    let since = Instant::now();
+    loop {
+        match stream.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            other => {
+                spin.blocked(since.elapsed());
+                return other;
+            }
+        }
+    }
+}
+
+/// One `recv(MSG_DONTWAIT)`: `Some(n)` bytes (0: end of stream), `None`
+/// when nothing is there yet.
+fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    // SAFETY: `buf` is a writable slice valid for `buf.len()` bytes; the fd
+    // is our connected socket, alive while `stream` is borrowed.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n >= 0 {
+        return Ok(Some(n as usize));
+    }
+    let e = io::Error::last_os_error();
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
+        _ => Err(e),
     }
 }
 
@@ -371,8 +518,8 @@ fn answer(
             None => ST_UNKNOWN_KEY,
             Some(r) if r.epoch != epoch => ST_STALE_EPOCH,
             Some(r) => {
-                let start = r.addr();
-                let end = start + r.map.len() as u64;
+                let start = r.mem.addr();
+                let end = start + r.mem.len() as u64;
                 if addr < start || addr.checked_add(u64::from(len)).is_none_or(|e| e > end) {
                     ST_OUT_OF_BOUNDS
                 } else {
@@ -382,8 +529,10 @@ fn answer(
                     let at = out.len();
                     // SAFETY:
                     // * source: `[addr, addr + len)` was checked to lie inside
-                    //   the region's mapping, which the read lock on the region
-                    //   table keeps alive for this call;
+                    //   the region's memory, which the read lock on the region
+                    //   table keeps registered, hence alive (our mapping, or
+                    //   the caller's under `register_external`'s contract),
+                    //   for this call; every other access to it is atomic;
                     // * destination: `len` bytes of spare capacity just
                     //   reserved in `out`, exclusively ours.
                     unsafe {
@@ -421,10 +570,15 @@ pub struct ConnectionConfig {
     pub max_outstanding: usize,
     /// Bytes of one READ, at most (the responder may allow less).
     pub max_read_len: usize,
+    /// How long [`Connection::wait`] polls the socket without blocking
+    /// before it blocks; zero blocks at once. At most
+    /// `available_parallelism() - 1` connections of the process spin at once.
+    pub spin: Duration,
 }
 
 impl ConnectionConfig {
-    /// Defaults: 5 s operation timeout, 1024 outstanding, 16 MiB READs.
+    /// Defaults: 5 s operation timeout, 1024 outstanding, 16 MiB READs, spin
+    /// [`DEFAULT_SPIN`].
     #[must_use]
     pub fn new(token: impl Into<Vec<u8>>) -> Self {
         Self {
@@ -432,6 +586,7 @@ impl ConnectionConfig {
             op_timeout: Duration::from_secs(5),
             max_outstanding: 1024,
             max_read_len: 16 << 20,
+            spin: DEFAULT_SPIN,
         }
     }
 }
@@ -464,6 +619,7 @@ pub struct TcpConnection {
     ready: Vec<Completion>,
     lost: bool,
     next_expiry: Option<Instant>,
+    spin: AdaptiveSpin,
 }
 
 // SAFETY: the raw pointers in `slots` are the local buffers of posted READs;
@@ -502,6 +658,7 @@ impl TcpConnection {
             ready: Vec::new(),
             lost: false,
             next_expiry: None,
+            spin: AdaptiveSpin::new(&spin::READER, config.spin),
             config,
         })
     }
@@ -759,18 +916,48 @@ unsafe impl Connection for TcpConnection {
             return self.poll(out);
         }
         let start = Instant::now();
+        // Spin first (non-blocking recvs) while the adaptive window and the
+        // process's reader budget allow, then block.
+        let mut episode: Option<spin::Episode> = None;
+        let mut spin_tried = false;
+        let mut blocked_since: Option<Instant> = None;
         loop {
-            let n = self.drain(out);
-            if n > 0 || self.outstanding == 0 {
+            let mut n = self.drain(out);
+            let mut done = n > 0 || self.outstanding == 0;
+            if !done {
+                self.check_expiry();
+                if !self.ready.is_empty() {
+                    continue;
+                }
+            }
+            let now = Instant::now();
+            if !done && now.duration_since(start) >= timeout {
+                (n, done) = (0, true);
+            }
+            if done {
+                if let Some(ep) = episode.take() {
+                    self.spin.end(ep, n > 0);
+                }
+                if let Some(b) = blocked_since {
+                    self.spin.blocked(now.duration_since(b));
+                }
                 return n;
             }
-            self.check_expiry();
-            if !self.ready.is_empty() {
-                continue;
+            if !spin_tried {
+                spin_tried = true;
+                episode = self.spin.begin();
             }
-            if start.elapsed() >= timeout {
-                return 0;
+            if let Some(ep) = &mut episode {
+                if now < ep.until.min(start + timeout) {
+                    if !self.fill(true) {
+                        ep.pause();
+                    }
+                    continue;
+                }
+                let ep = episode.take().expect("just matched");
+                self.spin.end(ep, false);
             }
+            blocked_since.get_or_insert(now);
             // Blocking recv: returns as soon as bytes arrive, or after the
             // socket's WAIT_QUANTUM receive timeout.
             self.fill(false);

@@ -2,7 +2,10 @@
 //! InfiniBand), through `sideway`.
 //!
 //! The owner runs a [`VerbsOwner`]: it registers regions with
-//! `IBV_ACCESS_REMOTE_READ` only (never remote write or atomics) and accepts
+//! `IBV_ACCESS_REMOTE_READ` only (never remote write or atomics) — an
+//! anonymous mapping it allocates ([`VerbsOwner::register`]) or memory the
+//! caller already has ([`VerbsOwner::register_external`], e.g. the node's
+//! whole page-cache region, read by the NIC in place) — and accepts
 //! readers on a TCP socket, where each reader proves the cluster token (the
 //! same handshake as `tcp`) and the two sides exchange queue-pair endpoints.
 //! After that the owner's CPU takes no part in a READ: the reader's NIC reads
@@ -37,7 +40,9 @@
 //! ```
 //!
 //! Repeated whenever the reader re-establishes; the owner then replaces its
-//! queue pair for that reader. Integers are little-endian.
+//! queue pair for that reader. Integers are little-endian. `epoch` is the
+//! owner's, carried by every descriptor of its regions:
+//! [`VerbsConfig::epoch`] (the node's incarnation) or a random one.
 //!
 //! Waiting spins on the completion queue briefly, then arms the CQ's
 //! completion channel and sleeps on its descriptor, which is also the
@@ -56,6 +61,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use std::ptr::NonNull;
+
 use memmap2::MmapMut;
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid, GidType};
@@ -72,9 +79,10 @@ use sideway::ibverbs::queue_pair::{
     SetScatterGatherEntry, WorkRequestFlags,
 };
 
+use crate::memory::{Memory, MemoryOwner, choose_epoch};
 use crate::{
-    AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, PostError, ReadError,
-    ReadRequest, RegionDescriptor, RegisterError, handshake,
+    AccessFault, Completion, ConnectError, Connection, Limits, LocalRegion, OwnerError, PostError,
+    ReadError, ReadRequest, RegionDescriptor, RegisterError, handshake,
 };
 
 const MAGIC: &[u8; 8] = b"PWVRB\0\0\x01";
@@ -108,6 +116,10 @@ pub struct VerbsConfig {
     pub retry_count: u8,
     /// A READ not completed within this long completes with `Timeout`.
     pub op_timeout: Duration,
+    /// Owner only: the epoch every descriptor carries (the node's
+    /// incarnation); `None` picks a random one. Zero is reserved
+    /// ([`OwnerError::ZeroEpoch`]). Connections ignore it.
+    pub epoch: Option<u64>,
 }
 
 impl VerbsConfig {
@@ -125,6 +137,7 @@ impl VerbsConfig {
             ack_timeout: 14,
             retry_count: 3,
             op_timeout: Duration::from_secs(5),
+            epoch: None,
         }
     }
 }
@@ -331,17 +344,18 @@ impl VerbsOwner {
     /// Opens the device and listens for readers on `addr` (port 0: any).
     ///
     /// # Errors
-    /// No usable RDMA device, or the socket could not be bound.
-    pub fn bind(addr: impl ToSocketAddrs, config: VerbsConfig) -> Result<Self, ConnectError> {
-        let nic = open_nic(&config).map_err(ConnectError::Device)?;
+    /// [`OwnerError::ZeroEpoch`] when the config asks for epoch 0,
+    /// [`OwnerError::Device`] without a usable RDMA device,
+    /// [`OwnerError::Io`] when the socket could not be bound.
+    pub fn bind(addr: impl ToSocketAddrs, config: VerbsConfig) -> Result<Self, OwnerError> {
+        let epoch = choose_epoch(config.epoch)?;
+        let nic = open_nic(&config).map_err(OwnerError::Device)?;
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
-        let mut e = [0u8; 8];
-        getrandom::fill(&mut e).map_err(io::Error::from)?;
         let shared = Arc::new(OwnerShared {
             nic,
             config,
-            epoch: u64::from_le_bytes(e) | 1,
+            epoch,
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
@@ -366,31 +380,74 @@ impl VerbsOwner {
         self.addr
     }
 
+    /// The epoch every descriptor of this owner carries.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch
+    }
+
     /// Allocates `len` zeroed bytes and registers them for remote READ only.
     ///
     /// # Errors
     /// Zero length, a failed mapping, a device refusal, or a closed owner.
     pub fn register(&self, len: usize) -> Result<VerbsRegion, RegisterError> {
-        if len == 0 || len > isize::MAX as usize {
-            return Err(RegisterError::InvalidLength(len));
-        }
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(RegisterError::Closed);
         }
-        let map = MmapMut::map_anon(len)?;
-        // SAFETY: `map` is a live mapping of `len` bytes; the returned region
-        // keeps it mapped until after the memory region is deregistered (field
-        // order in `VerbsRegion`). Remote READ only: the NIC never writes it.
+        self.register_memory(Memory::anon(len)?)
+    }
+
+    /// Registers `len` bytes the caller already has at `ptr` for remote READ
+    /// only (`ibv_reg_mr` with `IBV_ACCESS_REMOTE_READ`, in place, no copy).
+    /// The region keeps `owner` alive until it is dropped; the drop
+    /// deregisters the memory region first (`ibv_dereg_mr`: the NIC no
+    /// longer reads the memory, and READs with its rkey fail), then releases
+    /// `owner`. A READ in flight at that moment may complete with
+    /// [`ReadError::ConnectionLost`] rather than a remote access error (seen
+    /// once under soft-RoCE): the reader reconnects.
+    ///
+    /// # Safety
+    /// * `ptr..ptr + len` is valid for reads and writes for as long as
+    ///   `owner` is alive (it stays mapped; no `munmap`, `mremap` or
+    ///   `MAP_FIXED` over it: the NIC keeps the registered physical pages).
+    /// * While the returned region lives, every write to that memory is
+    ///   atomic (e.g. `AtomicU64` stores, [`LocalRegion::write_bytes`]),
+    ///   volatile, or made by the kernel or a device, and nobody holds a
+    ///   `&mut` to any of it: the NIC reads it at any time.
+    ///
+    /// # Errors
+    /// Zero length, a range that wraps the address space, a device refusal,
+    /// or a closed owner.
+    pub unsafe fn register_external(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> Result<VerbsRegion, RegisterError> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(RegisterError::Closed);
+        }
+        // SAFETY: forwarded from this function's contract.
+        let mem = unsafe { Memory::external(ptr, len, owner) }?;
+        self.register_memory(mem)
+    }
+
+    fn register_memory(&self, mem: Memory) -> Result<VerbsRegion, RegisterError> {
+        // SAFETY: `mem` is `mem.len()` bytes that stay valid while `mem`
+        // lives (our mapping, or the caller's under `register_external`'s
+        // contract); the returned region keeps `mem` until after the memory
+        // region is deregistered (field order in `VerbsRegion`). Remote READ
+        // only: the NIC never writes it.
         let mr = unsafe {
             self.shared
                 .nic
                 .pd
-                .reg_mr(map.as_ptr() as usize, len, AccessFlags::RemoteRead)
+                .reg_mr(mem.addr() as usize, mem.len(), AccessFlags::RemoteRead)
         }
         .map_err(|e| RegisterError::Device(dev_err("registering memory", e)))?;
         Ok(VerbsRegion {
             mr,
-            map,
+            mem,
             epoch: self.shared.epoch,
         })
     }
@@ -418,30 +475,31 @@ impl Drop for VerbsOwner {
     }
 }
 
-/// Memory registered for remote READ with a [`VerbsOwner`]; deregistered on drop.
+/// Memory registered for remote READ with a [`VerbsOwner`]; deregistered on
+/// drop, before its memory (or, for external memory, its owner guard) goes.
 pub struct VerbsRegion {
-    // Declared before `map`: deregistered before the memory is unmapped.
+    // Declared before `mem`: deregistered before the memory is released.
     mr: Arc<MemoryRegion>,
-    map: MmapMut,
+    mem: Memory,
     epoch: u64,
 }
 
 impl LocalRegion for VerbsRegion {
     fn descriptor(&self) -> RegionDescriptor {
         RegionDescriptor {
-            addr: self.map.as_ptr() as u64,
-            len: self.map.len() as u64,
+            addr: self.mem.addr(),
+            len: self.mem.len() as u64,
             rkey: self.mr.rkey(),
             epoch: self.epoch,
         }
     }
 
     fn as_ptr(&self) -> *mut u8 {
-        self.map.as_ptr().cast_mut()
+        self.mem.ptr()
     }
 
     fn len(&self) -> usize {
-        self.map.len()
+        self.mem.len()
     }
 }
 

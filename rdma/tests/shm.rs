@@ -53,7 +53,54 @@ impl conformance::Harness for Shm {
     }
 }
 
+impl conformance::EpochHarness for Shm {
+    fn with_epoch(epoch: u64) -> Self {
+        let name = format!(
+            "conformance-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let owner = ShmOwner::create_in_with_epoch(
+            std::path::Path::new(pagewire_rdma::shm::DEFAULT_DIR),
+            &name,
+            epoch,
+        )
+        .expect("create owner");
+        assert_eq!(owner.epoch(), epoch);
+        Self {
+            owner: Arc::new(owner),
+            chaos: None,
+        }
+    }
+}
+
 conformance_tests!(Shm);
+epoch_tests!(Shm);
+
+#[test]
+fn epoch_zero_is_refused() {
+    let e = ShmOwner::create_in_with_epoch(
+        std::path::Path::new(pagewire_rdma::shm::DEFAULT_DIR),
+        &format!("conformance-zero-{}", std::process::id()),
+        0,
+    );
+    assert!(
+        matches!(e, Err(pagewire_rdma::OwnerError::ZeroEpoch)),
+        "{:?}",
+        e.err()
+    );
+}
+
+/// The data area starts on a page boundary (the node puts page frames there).
+#[test]
+fn region_data_is_page_aligned() {
+    use pagewire_rdma::LocalRegion;
+    let h = <Shm as conformance::Harness>::new(None);
+    for len in [1, 4096, 3 << 20] {
+        let r = <Shm as conformance::Harness>::register(&h, len);
+        assert_eq!(r.as_ptr() as usize % 4096, 0, "len {len}");
+    }
+}
 
 #[test]
 fn torn_reads_happen_in_chaos_mode() {

@@ -2,13 +2,16 @@
 
 mod conformance;
 
+use std::ptr::NonNull;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pagewire_rdma::tcp::{
     ConnectionConfig, ResponderConfig, TcpConnection, TcpRegion, TcpResponder,
 };
-use pagewire_rdma::{Chaos, ConnectError};
+use pagewire_rdma::{
+    Chaos, ConnectError, Connection, LocalRegion, MemoryOwner, OwnerError, ReadError,
+};
 
 const TOKEN: &[u8] = b"conformance cluster token";
 
@@ -43,7 +46,91 @@ impl conformance::Harness for Tcp {
     }
 }
 
+impl conformance::EpochHarness for Tcp {
+    fn with_epoch(epoch: u64) -> Self {
+        let mut config = ResponderConfig::new(TOKEN);
+        config.epoch = Some(epoch);
+        let responder = TcpResponder::bind("127.0.0.1:0", config).expect("bind");
+        assert_eq!(responder.epoch(), epoch);
+        Self {
+            responder: Arc::new(responder),
+        }
+    }
+}
+
+impl conformance::ExternalHarness for Tcp {
+    unsafe fn register_external(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> TcpRegion {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.responder.register_external(ptr, len, owner) }.expect("register external")
+    }
+}
+
 conformance_tests!(Tcp);
+epoch_tests!(Tcp);
+external_memory_tests!(Tcp);
+
+#[test]
+fn epoch_zero_is_refused() {
+    let mut config = ResponderConfig::new(TOKEN);
+    config.epoch = Some(0);
+    let e = TcpResponder::bind("127.0.0.1:0", config);
+    assert!(matches!(e, Err(OwnerError::ZeroEpoch)), "{:?}", e.err());
+}
+
+/// Without spinning (spin 0 on both sides) READs are served as with it, and
+/// with a huge spin a responder still shuts down promptly: a spinning
+/// serving thread notices the close, a spinning reader its timeout.
+#[test]
+fn spinning_is_bounded_and_optional() {
+    conformance::bounded(60, || {
+        for spin in [Duration::ZERO, Duration::from_secs(30)] {
+            let mut rc = ResponderConfig::new(TOKEN);
+            rc.spin = spin;
+            let resp = TcpResponder::bind("127.0.0.1:0", rc).expect("bind");
+            let r = resp.register(64 << 10).expect("register");
+            let p = conformance::pattern(64 << 10, 31);
+            r.write_bytes(0, &p);
+            let d = r.descriptor();
+            let mut cc = ConnectionConfig::new(TOKEN);
+            cc.spin = spin;
+            let mut c = TcpConnection::connect(resp.local_addr(), cc).expect("connect");
+            for i in 0..200u64 {
+                let off = (i * 4096) % (60 << 10);
+                let mut buf = vec![0u8; 4096];
+                let res = pagewire_rdma::read_blocking(&mut c, d, &mut [(off, &mut buf[..])])
+                    .expect("post");
+                assert_eq!(res, vec![Ok(())]);
+                assert!(
+                    buf[..] == p[off as usize..off as usize + 4096],
+                    "spin {spin:?}: wrong bytes"
+                );
+            }
+            // An empty wait returns at once, spin or not.
+            let t = Instant::now();
+            assert_eq!(c.wait(&mut Vec::new(), Duration::from_secs(5)), 0);
+            assert!(t.elapsed() < Duration::from_secs(1));
+            // Shutdown while the serving thread may be spinning.
+            let t = Instant::now();
+            resp.shutdown();
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "spin {spin:?}: shutdown took {:?}",
+                t.elapsed()
+            );
+            let mut buf = [0u8; 64];
+            let res = pagewire_rdma::read_blocking(&mut c, d, &mut [(0, &mut buf[..])]);
+            match res {
+                Err(_) => {}
+                Ok(v) => assert_eq!(v, vec![Err(ReadError::ConnectionLost)]),
+            }
+        }
+    });
+}
 
 #[test]
 fn torn_reads_happen_in_chaos_mode() {

@@ -10,10 +10,11 @@
 
 mod conformance;
 
+use std::ptr::NonNull;
 use std::sync::Arc;
 
-use pagewire_rdma::Chaos;
 use pagewire_rdma::verbs::{VerbsConfig, VerbsConnection, VerbsOwner, VerbsRegion};
+use pagewire_rdma::{Chaos, MemoryOwner, OwnerError};
 
 const TOKEN: &[u8] = b"conformance cluster token";
 
@@ -48,7 +49,42 @@ impl conformance::Harness for Verbs {
     }
 }
 
+impl conformance::EpochHarness for Verbs {
+    fn with_epoch(epoch: u64) -> Self {
+        let mut config = VerbsConfig::new(TOKEN);
+        config.epoch = Some(epoch);
+        let owner = VerbsOwner::bind("127.0.0.1:0", config).expect("open the RDMA device");
+        assert_eq!(owner.epoch(), epoch);
+        Self {
+            owner: Arc::new(owner),
+        }
+    }
+}
+
+impl conformance::ExternalHarness for Verbs {
+    unsafe fn register_external(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> VerbsRegion {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.owner.register_external(ptr, len, owner) }.expect("register external")
+    }
+}
+
 conformance_tests!(Verbs, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
+epoch_tests!(Verbs, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
+external_memory_tests!(Verbs, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
+
+/// Refused before the device is opened, so this runs everywhere.
+#[test]
+fn epoch_zero_is_refused() {
+    let mut config = VerbsConfig::new(TOKEN);
+    config.epoch = Some(0);
+    let e = VerbsOwner::bind("127.0.0.1:0", config);
+    assert!(matches!(e, Err(OwnerError::ZeroEpoch)), "{:?}", e.err());
+}
 
 #[test]
 #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]

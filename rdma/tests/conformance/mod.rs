@@ -7,13 +7,16 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use memmap2::MmapMut;
 use pagewire_rdma::{
-    AccessFault, AsyncConnection, Chaos, Completion, Connection, LocalRegion, PostError, ReadError,
-    ReadRequest, RegionDescriptor,
+    AccessFault, AsyncConnection, Chaos, Completion, Connection, LocalRegion, MemoryOwner,
+    PostError, ReadError, ReadRequest, RegionDescriptor,
 };
 
 /// What the suite needs from a backend.
@@ -33,6 +36,27 @@ pub trait Harness: Send + Sync + Sized + 'static {
     /// Makes the owner go away (responder shut down, owner closed, peer QP
     /// destroyed); callable from another thread.
     fn kill(&self);
+}
+
+/// A backend whose owner takes a caller-chosen epoch (the node's incarnation).
+pub trait EpochHarness: Harness {
+    /// A fresh owner whose descriptors carry `epoch` (non-zero).
+    fn with_epoch(epoch: u64) -> Self;
+}
+
+/// A backend that serves memory the caller already has.
+pub trait ExternalHarness: Harness {
+    /// Registers `len` bytes at `ptr`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// The backend's `register_external` contract: the memory stays valid
+    /// while `owner` lives and is only written atomically while registered.
+    unsafe fn register_external(
+        &self,
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: MemoryOwner,
+    ) -> Self::Region;
 }
 
 /// Runs `f` on a thread and fails the test if it takes longer than `secs`.
@@ -542,6 +566,209 @@ macro_rules! conformance_tests {
         #[test] $(#[$attr])*
         fn awaited_from_tokio() {
             conformance::bounded(60, conformance::awaited_from_tokio::<$h>);
+        }
+    };
+}
+
+/// A random non-zero epoch, different in every run.
+fn some_epoch() -> u64 {
+    splitmix64(
+        u64::from(std::process::id())
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+    ) | 1
+}
+
+/// The caller's epoch is the one every descriptor carries, and the only one
+/// a READ may name.
+pub fn chosen_epoch_is_carried_and_enforced<H: EpochHarness>() {
+    let epoch = some_epoch();
+    let h = H::with_epoch(epoch);
+    let (r1, p1) = filled(&h, 8192, 11);
+    let (r2, p2) = filled(&h, 4096, 12);
+    let (d1, d2) = (r1.descriptor(), r2.descriptor());
+    assert_eq!(d1.epoch, epoch, "descriptor epoch is not the chosen one");
+    assert_eq!(d2.epoch, epoch, "every region carries the owner's epoch");
+    let mut c = h.connect();
+    assert_eq!(read(&mut c, d1, 0, 8192).expect("chosen epoch"), p1);
+    assert_eq!(
+        read(&mut c, d2, 100, 50).expect("chosen epoch"),
+        p2[100..150]
+    );
+    for wrong in [epoch + 1, epoch ^ (1 << 40), 0] {
+        let mut d = d1;
+        d.epoch = wrong;
+        assert_eq!(
+            read(&mut c, d, 0, 64).map(|_| ()),
+            Err(ReadError::RemoteAccess(AccessFault::StaleEpoch)),
+            "epoch {wrong:#x} instead of {epoch:#x}"
+        );
+    }
+    assert_eq!(
+        read(&mut c, d1, 8000, 192).expect("still served"),
+        p1[8000..]
+    );
+}
+
+/// Stores `data` at `ptr` with atomic word stores, as an owner writing its
+/// own registered memory must.
+///
+/// # Safety
+/// `ptr..ptr + data.len()` is writable, 8-aligned, and `data.len()` is a
+/// multiple of 8.
+unsafe fn store_words(ptr: *mut u8, data: &[u8]) {
+    for (i, w) in data.chunks_exact(8).enumerate() {
+        // SAFETY: in range and 8-aligned (the caller's contract); every
+        // access to the registered memory is atomic.
+        unsafe { AtomicU64::from_ptr(ptr.add(i * 8).cast::<u64>()) }.store(
+            u64::from_le_bytes(w.try_into().expect("8")),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// Memory the caller owns, registered in place: READs see what the owner
+/// writes after registration, bounds and epoch are checked as for an
+/// allocated region, and dropping the registration revokes it and releases
+/// the owner guard (after which the memory is unmapped: a backend that still
+/// touched it would crash the test).
+pub fn external_memory_is_served_in_place<H: ExternalHarness>() {
+    let h = H::new(None);
+    let len = 256 << 10;
+    let mut map = MmapMut::map_anon(len).expect("map");
+    let ptr = NonNull::new(map.as_mut_ptr()).expect("non-null");
+    let guard = Arc::new(map);
+    let weak = Arc::downgrade(&guard);
+    // SAFETY: the mapping lives as long as `guard`, which the region keeps;
+    // from here on it is written only with atomic stores (`store_words`).
+    let r = unsafe { h.register_external(ptr, len, guard) };
+    assert!(weak.upgrade().is_some(), "the registration keeps its owner");
+    let d = r.descriptor();
+    assert_eq!(d.addr, ptr.as_ptr() as u64, "served in place, not copied");
+    assert_eq!(d.len, len as u64);
+    assert_eq!(r.as_ptr(), ptr.as_ptr());
+    let mut c = h.connect();
+    // Zeroes until the owner writes.
+    assert_eq!(read(&mut c, d, 0, 4096).expect("fresh"), vec![0u8; 4096]);
+    let p = pattern(len, 21);
+    // SAFETY: inside the mapping, page-aligned, a multiple of 8 bytes.
+    unsafe { store_words(ptr.as_ptr(), &p) };
+    // In 32 KiB READs: a backend may limit one READ's length (verbs: 64 KiB).
+    for off in (0..len).step_by(32 << 10) {
+        assert!(
+            read(&mut c, d, off as u64, 32 << 10).expect("whole region")[..]
+                == p[off..off + (32 << 10)],
+            "wrong bytes at {off}"
+        );
+    }
+    assert_eq!(read(&mut c, d, 4097, 3000).expect("middle"), p[4097..7097]);
+    // The owner rewrites a page; the next READ sees the new bytes.
+    let q = pattern(4096, 22);
+    // SAFETY: as above.
+    unsafe { store_words(ptr.as_ptr().add(8192), &q) };
+    assert_eq!(read(&mut c, d, 8192, 4096).expect("rewritten page"), q);
+    // Bounds and epoch, as for any region.
+    let remote_access = |res: Result<Vec<u8>, ReadError>, what: &str| match res {
+        Err(ReadError::RemoteAccess(_)) => {}
+        other => panic!(
+            "{what}: expected a remote access error, got {:?}",
+            other.map(|v| v.len())
+        ),
+    };
+    remote_access(read(&mut c, d, len as u64 - 8, 16), "past the end");
+    let mut longer = d;
+    longer.len += 4096;
+    remote_access(
+        read(&mut c, longer, len as u64, 64),
+        "past the registered end",
+    );
+    let mut stale = d;
+    stale.epoch ^= 0x40;
+    assert_eq!(
+        read(&mut c, stale, 0, 64).map(|_| ()),
+        Err(ReadError::RemoteAccess(AccessFault::StaleEpoch))
+    );
+    assert_eq!(read(&mut c, d, 0, 64).expect("after errors"), p[..64]);
+
+    // Revocation while another connection keeps reading: every READ either
+    // returns the right bytes or is refused, and the guard is released. A
+    // READ in flight at the revocation may also lose its connection (verbs:
+    // the owner's queue pair may go to the error state); the reader then
+    // reconnects, as a real one would.
+    let counts = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+    std::thread::scope(|s| {
+        let (counts, p, q, h) = (&counts, &p, &q, &h);
+        s.spawn(move || {
+            let mut c2 = h.connect();
+            // Until a few READs were refused after the revocation.
+            while counts[1].load(Ordering::Relaxed) < 3 {
+                match read(&mut c2, d, 0, 16 << 10) {
+                    Ok(b) => {
+                        assert!(
+                            b[..8192] == p[..8192]
+                                && b[8192..12288] == q[..]
+                                && b[12288..] == p[12288..16384],
+                            "wrong bytes from external memory"
+                        );
+                        counts[0].fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(ReadError::RemoteAccess(_)) => {
+                        counts[1].fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(ReadError::ConnectionLost) if counts[2].load(Ordering::Relaxed) < 3 => {
+                        counts[2].fetch_add(1, Ordering::Relaxed);
+                        c2 = h.connect();
+                    }
+                    Err(e) => panic!("unexpected {e:?}"),
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while counts[0].load(Ordering::Relaxed) < 3 {
+            assert!(
+                Instant::now() < deadline,
+                "no READ of external memory succeeded"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(r);
+        assert!(
+            weak.upgrade().is_none(),
+            "dropping the registration releases its owner (and unmaps)"
+        );
+    });
+    let [ok, refused, lost] = counts.map(AtomicU64::into_inner);
+    eprintln!(
+        "revocation under load: {ok} READs before, {refused} refused after, {lost} connections lost"
+    );
+    remote_access(read(&mut c, d, 0, 64), "revoked region");
+    // The connection and the owner carry on.
+    let (r3, p3) = filled(&h, 4096, 23);
+    assert_eq!(
+        read(&mut c, r3.descriptor(), 0, 4096).expect("new region"),
+        p3
+    );
+}
+
+/// Expands to the caller-chosen epoch check for harness `$h`.
+#[macro_export]
+macro_rules! epoch_tests {
+    ($h:ty $(, #[$attr:meta])*) => {
+        #[test] $(#[$attr])*
+        fn chosen_epoch_is_carried_and_enforced() {
+            conformance::bounded(60, conformance::chosen_epoch_is_carried_and_enforced::<$h>);
+        }
+    };
+}
+
+/// Expands to the external-memory check for harness `$h`.
+#[macro_export]
+macro_rules! external_memory_tests {
+    ($h:ty $(, #[$attr:meta])*) => {
+        #[test] $(#[$attr])*
+        fn external_memory_is_served_in_place() {
+            conformance::bounded(60, conformance::external_memory_is_served_in_place::<$h>);
         }
     };
 }
