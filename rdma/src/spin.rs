@@ -22,8 +22,9 @@
 //!   configured spin doubles it again (from an eighth of it).
 //! * **Preemption.** A spin during which the thread was involuntarily
 //!   switched out (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` grew) means the
-//!   cores are oversubscribed: no spinning for the next 16 waits, doubling
-//!   (up to 4096) while it keeps happening, reset by a clean spin.
+//!   cores are oversubscribed: no spinning for the next 16 waits; the next
+//!   cooldown doubles (up to 4096 waits) each time it happens and halves
+//!   (down to 16) after each spin that caught its message unpreempted.
 //!
 //! A spinning thread yields (`sched_yield`) between polls after the first
 //! few, so a runnable peer on its core still gets to run.
@@ -221,7 +222,7 @@ impl AdaptiveSpin {
                 "tcp: preempted while spinning, blocking for a while"
             );
         } else if got {
-            self.next_cooldown = COOLDOWN_START;
+            self.next_cooldown = (self.next_cooldown / 2).max(COOLDOWN_START);
         }
     }
 
@@ -305,8 +306,9 @@ mod tests {
         for _ in 0..COOLDOWN_START {
             assert!(a.begin().is_none(), "cooling down");
         }
+        assert_eq!(a.next_cooldown, 2 * COOLDOWN_START);
         let ep = a.begin().expect("spins again after the cooldown");
         a.end(ep, true);
-        assert_eq!(a.next_cooldown, COOLDOWN_START);
+        assert_eq!(a.next_cooldown, COOLDOWN_START, "a clean spin halves it");
     }
 }
