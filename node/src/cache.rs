@@ -99,8 +99,10 @@ impl PageRef<'_> {
         self.frame
     }
 
-    /// The frame's generation (its incarnation).
-    pub fn generation(&self) -> u64 {
+    /// The frame's generation: odd while published; with the frame it names
+    /// one immutable copy of the page (not a per-page version: a page faulted
+    /// into another frame can get a smaller number).
+    pub fn frame_generation(&self) -> u64 {
         self.frames
             .header(self.frame)
             .generation

@@ -273,7 +273,7 @@ fn region_is_self_describing() {
     let c = PageCache::open(&path, cfg(8)).unwrap();
     let g = c.get(6).unwrap();
     let frame = g.frame();
-    let generation = g.generation();
+    let generation = g.frame_generation();
     let view = c.region();
     // SAFETY: the region is live for the cache's lifetime and nothing writes
     // it while this single-threaded test reads it.

@@ -66,6 +66,9 @@ mod cli {
         /// Milliseconds this node takes off its lease against clock drift.
         #[arg(long)]
         clock_drift_margin_ms: Option<u64>,
+        /// Directory of the shm file the region lives in (transports.shm_dir).
+        #[arg(long)]
+        shm_dir: Option<std::path::PathBuf>,
         /// Log filter.
         #[arg(long)]
         log: Option<String>,
@@ -97,6 +100,7 @@ mod cli {
         set!(cache.page_size = args.page_size);
         set!(capacity_bytes = args.capacity_bytes);
         set!(clock_drift_margin_ms = args.clock_drift_margin_ms);
+        set!(transports.shm_dir = args.shm_dir);
         set!(log = args.log);
         if let Some(v) = args.token_file {
             cfg.token = String::new();

@@ -75,21 +75,14 @@ pub(crate) fn topology() -> Topology {
     }
 }
 
-/// What a remote reader needs to find this node's registered region. Until
-/// a transport (crate `rdma`) registers it, the descriptor names the region
-/// itself: kind `local`, its address and length in this process, and the
-/// incarnation as the epoch.
+/// What a remote reader needs to READ this node's region: one descriptor
+/// per transport serving it, all carrying the region epoch (see
+/// `transports`). Empty when no transport serves it (readers use gRPC).
 pub(crate) fn transports(node: &Node) -> Vec<TransportDescriptor> {
-    let r = node.cache.region();
-    vec![TransportDescriptor {
-        kind: "local".into(),
-        endpoint: String::new(),
-        address: r.addr as u64,
-        length: r.len as u64,
-        rkey: 0,
-        epoch: node.incarnation.load(Ordering::Relaxed),
-        opaque: Vec::new(),
-    }]
+    node.served
+        .as_ref()
+        .map(|s| s.descriptors())
+        .unwrap_or_default()
 }
 
 impl Agent {

@@ -25,6 +25,7 @@ pub(crate) struct Config {
     pub(crate) log: String,
     pub(crate) cache: CacheSection,
     pub(crate) tls: TlsSection,
+    pub(crate) transports: TransportsSection,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -37,6 +38,39 @@ pub(crate) struct CacheSection {
     pub(crate) readahead_max: usize,
     pub(crate) evict_batch: usize,
     pub(crate) numa_node: Option<usize>,
+}
+
+/// How the node serves its region for one-sided READs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct TransportsSection {
+    /// Put the region in an `shm` file that readers on this host map.
+    pub(crate) shm: bool,
+    /// Directory of the `shm` files (memory-backed).
+    pub(crate) shm_dir: PathBuf,
+    /// Serve the region with the `tcp` software NIC.
+    pub(crate) tcp: bool,
+    /// Where the `tcp` responder listens; empty: the host of `listen`, any port.
+    pub(crate) tcp_listen: String,
+    /// Address advertised for `tcp`; empty: the host of `advertise` (or of
+    /// `listen`) with the port `tcp_listen` bound.
+    pub(crate) tcp_advertise: String,
+    /// How long a `tcp` serving thread spins for the next request before it
+    /// blocks, in microseconds (0: block at once).
+    pub(crate) tcp_spin_us: u64,
+}
+
+impl Default for TransportsSection {
+    fn default() -> Self {
+        Self {
+            shm: true,
+            shm_dir: PathBuf::from(pagewire_rdma::shm::DEFAULT_DIR),
+            tcp: true,
+            tcp_listen: String::new(),
+            tcp_advertise: String::new(),
+            tcp_spin_us: 50,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -67,6 +101,7 @@ impl Default for Config {
             log: "info".into(),
             cache: CacheSection::default(),
             tls: TlsSection::default(),
+            transports: TransportsSection::default(),
         }
     }
 }

@@ -14,6 +14,7 @@ mod lease;
 mod metrics;
 mod ownership;
 mod service;
+mod transports;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -37,6 +38,8 @@ pub(crate) use ownership::{MapView, PageSource};
 pub(crate) struct Node {
     pub(crate) node_id: String,
     pub(crate) cache: Arc<PageCache>,
+    /// The transports serving the cache's region (None in unit tests).
+    pub(crate) served: Option<transports::Served>,
     /// The applied map. A data call holds a read guard from its ownership
     /// check until its cache work is done, so installing a new map waits for
     /// the calls admitted under the old one, and nothing admitted under the
@@ -69,10 +72,16 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    fn new(cfg: &Config, node_id: String, cache: PageCache) -> Self {
+    fn new(
+        cfg: &Config,
+        node_id: String,
+        cache: Arc<PageCache>,
+        served: Option<transports::Served>,
+    ) -> Self {
         Node {
             node_id,
-            cache: Arc::new(cache),
+            cache,
+            served,
             view: RwLock::new(None),
             apply_lock: Mutex::new(()),
             applied: AtomicU64::new(0),
@@ -219,21 +228,26 @@ pub(crate) async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), DaemonError> {
     cfg.validate()?;
-    let cache_cfg = cfg.cache_config();
-    let path = cfg.backing_file.clone();
-    let cache = tokio::task::spawn_blocking(move || PageCache::open(&path, cache_cfg))
-        .await
-        .map_err(|e| DaemonError::Internal(e.to_string()))??;
     let node_id = cfg.node_id();
+    let (cache, served) = {
+        let (cfg, node_id, token) = (cfg.clone(), node_id.clone(), token.clone());
+        tokio::task::spawn_blocking(move || transports::open(&cfg, &node_id, &token))
+            .await
+            .map_err(|e| DaemonError::Internal(e.to_string()))??
+    };
     tracing::info!(
         node = %node_id,
         file = %cfg.backing_file.display(),
         pages = cache.pages(),
         frames = cache.config().frames,
         placement = %cache.placement().how,
+        region_epoch = served.epoch,
         "cache open"
     );
-    let node = Arc::new(Node::new(&cfg, node_id, cache));
+    let node = Arc::new(Node::new(&cfg, node_id, cache, Some(served)));
+    for t in node.served.iter().flat_map(|s| s.descriptors()) {
+        tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");
+    }
 
     let grpc = bind(&cfg.listen).await?;
     let grpc_addr: SocketAddr = grpc.local_addr().map_err(|source| DaemonError::Bind {
@@ -370,7 +384,12 @@ mod tests {
             },
         )
         .unwrap();
-        let node = Node::new(&Config::default(), "t".into(), cache);
+        let node = Node::new(
+            &Config::default(),
+            "t".into(),
+            std::sync::Arc::new(cache),
+            None,
+        );
         node.index.store(1, Ordering::Relaxed);
         (dir, node)
     }

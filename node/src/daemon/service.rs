@@ -220,7 +220,7 @@ impl NodeRpc for NodeService {
                             page,
                             node_index: me,
                             frame_index: u64::from(r.frame()),
-                            generation: r.generation(),
+                            frame_generation: r.frame_generation(),
                         });
                         if req.want_data {
                             data.extend_from_slice(&r);
@@ -256,7 +256,7 @@ impl NodeRpc for NodeService {
                             Segment::Cache { first, count } => {
                                 for page in first..first + count {
                                     let r = node.cache.get(page)?;
-                                    generations.push(r.generation());
+                                    generations.push(r.frame_generation());
                                     data.extend_from_slice(&r);
                                 }
                             }
@@ -283,7 +283,7 @@ impl NodeRpc for NodeService {
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok(ReadResponse {
                 data,
-                generations,
+                frame_generations: generations,
                 map_epoch: epoch,
             })
         })
@@ -308,7 +308,7 @@ impl NodeRpc for NodeService {
         })
         .await?;
         Ok(Response::new(WriteResponse {
-            generation,
+            frame_generation: generation,
             map_epoch: epoch,
         }))
     }
