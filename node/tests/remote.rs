@@ -15,6 +15,7 @@ use pagewire_node::index::Lockless;
 use pagewire_node::remote::{Outcome, ReaderConfig, RemoteReader};
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};
+use pagewire_rdma::tcp::{ConnectionConfig, ResponderConfig, TcpConnection, TcpResponder};
 use pagewire_rdma::{Chaos, LocalRegion, RegionDescriptor};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -28,6 +29,7 @@ const PS: usize = 4096;
 const PAGES: u64 = 512;
 const FRAMES: usize = 48;
 const OWNER_ENV: &str = "PAGEWIRE_REMOTE_OWNER";
+const TOKEN: &str = "remote-test-token";
 
 fn secs() -> f64 {
     std::env::var("PAGEWIRE_REMOTE_SECS")
@@ -59,7 +61,7 @@ fn owner_process() {
         .register(PageCache::<Lockless>::region_len(PS, FRAMES))
         .unwrap();
     let desc = region.descriptor();
-    let cache = Arc::new(
+    let cache: Arc<PageCache> = Arc::new(
         PageCache::<Lockless>::open_on(
             &dir.join("data"),
             CacheConfig {
@@ -73,6 +75,31 @@ fn owner_process() {
         .unwrap(),
     );
     cache.set_epoch(desc.epoch);
+    // The tcp software NIC serves the same memory in place, in chaos mode
+    // (cache lines of each READ copied in random order, half of the READs
+    // paused halfway).
+    let mut rc = ResponderConfig::new(TOKEN.as_bytes().to_vec());
+    rc.epoch = Some(desc.epoch);
+    rc.chaos = Some(Chaos {
+        pause: Some(Duration::from_micros(20)),
+    });
+    let responder = TcpResponder::bind("127.0.0.1:0", rc).unwrap();
+    let r = cache.region();
+    let keep: pagewire_rdma::MemoryOwner = cache.clone();
+    // SAFETY: the region stays mapped while `keep` (the cache) lives, and the
+    // cache writes it only with atomic stores, the kernel or inline assembly.
+    let tcp_region = unsafe {
+        responder.register_external(
+            std::ptr::NonNull::new(r.addr.cast_mut()).unwrap(),
+            r.len,
+            keep,
+        )
+    }
+    .unwrap();
+    let tcp_desc = tcp_region.descriptor().to_bytes();
+    std::fs::write(dir.join("tcp.desc"), tcp_desc).unwrap();
+    std::fs::write(dir.join("tcp.tmp"), responder.local_addr().to_string()).unwrap();
+    std::fs::rename(dir.join("tcp.tmp"), dir.join("tcp")).unwrap();
     let acked_file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -129,7 +156,10 @@ fn owner_process() {
                 std::thread::sleep(Duration::from_micros(200));
             }
         });
-        while !dir.join("stop").exists() {
+        // Until the test says stop, or, should it have died, well after
+        // its own deadline.
+        let give_up = Instant::now() + Duration::from_secs_f64(secs() + 120.0);
+        while !dir.join("stop").exists() && Instant::now() < give_up {
             std::thread::sleep(Duration::from_millis(5));
         }
         stop.store(true, Ordering::Relaxed);
@@ -140,6 +170,8 @@ fn owner_process() {
         writes.into_inner(),
         evicted.into_inner()
     );
+    drop(tcp_region);
+    drop(responder);
     drop(cache);
     drop(owner);
 }
@@ -166,8 +198,62 @@ fn wait_for(path: &Path) {
     }
 }
 
+/// One reader: random pages (half from a hot set), every hit verified and
+/// checked against the acknowledged-write table read before it began.
+fn read_loop<C: pagewire_rdma::Connection>(
+    mut reader: RemoteReader<C>,
+    seed: u64,
+    deadline: Instant,
+    acked: &[AtomicU64],
+    tally: &Tally,
+) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut buf = vec![0u8; PS];
+    while Instant::now() < deadline {
+        let p = if rng.random_bool(0.5) {
+            rng.random_range(0..16)
+        } else {
+            rng.random_range(0..PAGES)
+        };
+        let floor = acked[p as usize].load(Ordering::Acquire);
+        tally.reads.fetch_add(1, Ordering::Relaxed);
+        match reader.read_page(p, &mut buf).unwrap() {
+            Outcome::Hit { round_trips, .. } => {
+                let g = pattern::verify(p, &buf)
+                    .unwrap_or_else(|e| panic!("wrong bytes for page {p}: {e:?}"));
+                assert!(
+                    g >= floor,
+                    "page {p}: read generation {g}, but {floor} was acknowledged before the read"
+                );
+                if floor > 0 {
+                    tally.fresh_after_ack.fetch_add(1, Ordering::Relaxed);
+                }
+                tally.hits.fetch_add(1, Ordering::Relaxed);
+                if round_trips == 1 {
+                    tally.warm.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Outcome::Absent => {
+                tally.absent.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::GaveUp => {
+                tally.gave_up.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let st = reader.stats();
+    tally
+        .validation_failures
+        .fetch_add(st.validation_failures, Ordering::Relaxed);
+    tally.torn.fetch_add(st.torn_buckets, Ordering::Relaxed);
+    tally.retries.fetch_add(st.retries, Ordering::Relaxed);
+    tally
+        .round_trips
+        .fetch_add(st.round_trips, Ordering::Relaxed);
+}
+
 #[test]
-fn remote_reads_across_processes_shm() {
+fn remote_reads_across_processes() {
     let dir = tempfile::tempdir().unwrap();
     pattern::generate_file(&dir.path().join("data"), PAGES * PS as u64, PS).unwrap();
     let owner = Command::new(std::env::current_exe().unwrap())
@@ -183,6 +269,20 @@ fn remote_reads_across_processes_shm() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
+    // Stop (and reap) the owner however this test ends.
+    struct Stop<'a>(&'a Path, Option<std::process::Child>);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0.join("stop"), b"");
+            if let Some(mut c) = self.1.take()
+                && std::thread::panicking()
+            {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+    let mut guard = Stop(dir.path(), Some(owner));
     wait_for(&dir.path().join("desc"));
     let desc =
         RegionDescriptor::from_bytes(&std::fs::read(dir.path().join("desc")).unwrap()).unwrap();
@@ -194,7 +294,13 @@ fn remote_reads_across_processes_shm() {
     let acked = acked_words(&acked_map);
     let tally = Tally::default();
     let deadline = Instant::now() + Duration::from_secs_f64(secs());
+    wait_for(&dir.path().join("tcp"));
+    let tcp_addr = std::fs::read_to_string(dir.path().join("tcp")).unwrap();
+    let tcp_desc =
+        RegionDescriptor::from_bytes(&std::fs::read(dir.path().join("tcp.desc")).unwrap()).unwrap();
+    assert_eq!(tcp_desc.epoch, desc.epoch, "one epoch for both transports");
     std::thread::scope(|s| {
+        // shm readers: plain, chaos, chaos with pauses (the reader copies).
         for (seed, chaos) in [
             (10, None),
             (11, Some(Chaos { pause: None })),
@@ -215,54 +321,22 @@ fn remote_reads_across_processes_shm() {
                     },
                 )
                 .unwrap();
-                let mut reader = RemoteReader::connect(conn, desc, ReaderConfig::default()).unwrap();
-                let mut rng = SmallRng::seed_from_u64(seed);
-                let mut buf = vec![0u8; PS];
-                while Instant::now() < deadline {
-                    // A small hot set, so the index cache is often warm.
-                    let p = if rng.random_bool(0.5) {
-                        rng.random_range(0..16)
-                    } else {
-                        rng.random_range(0..PAGES)
-                    };
-                    let floor = acked[p as usize].load(Ordering::Acquire);
-                    tally.reads.fetch_add(1, Ordering::Relaxed);
-                    match reader.read_page(p, &mut buf).unwrap() {
-                        Outcome::Hit { round_trips, .. } => {
-                            let g = pattern::verify(p, &buf)
-                                .unwrap_or_else(|e| panic!("wrong bytes for page {p}: {e:?}"));
-                            assert!(
-                                g >= floor,
-                                "page {p}: read generation {g}, but {floor} was acknowledged before the read"
-                            );
-                            if floor > 0 {
-                                tally.fresh_after_ack.fetch_add(1, Ordering::Relaxed);
-                            }
-                            tally.hits.fetch_add(1, Ordering::Relaxed);
-                            if round_trips == 1 {
-                                tally.warm.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                        Outcome::Absent => {
-                            tally.absent.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Outcome::GaveUp => {
-                            tally.gave_up.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-                let st = reader.stats();
-                tally
-                    .validation_failures
-                    .fetch_add(st.validation_failures, Ordering::Relaxed);
-                tally.torn.fetch_add(st.torn_buckets, Ordering::Relaxed);
-                tally.retries.fetch_add(st.retries, Ordering::Relaxed);
-                tally.round_trips.fetch_add(st.round_trips, Ordering::Relaxed);
+                let reader = RemoteReader::connect(conn, desc, ReaderConfig::default()).unwrap();
+                read_loop(reader, seed, deadline, acked, tally);
             });
         }
+        // A tcp reader: the owner's responder copies in chaos mode.
+        let (tally, tcp_addr) = (&tally, tcp_addr.as_str());
+        s.spawn(move || {
+            let conn =
+                TcpConnection::connect(tcp_addr, ConnectionConfig::new(TOKEN.as_bytes().to_vec()))
+                    .unwrap();
+            let reader = RemoteReader::connect(conn, tcp_desc, ReaderConfig::default()).unwrap();
+            read_loop(reader, 13, deadline, acked, tally);
+        });
     });
     std::fs::write(dir.path().join("stop"), b"").unwrap();
-    let out = owner.wait_with_output().unwrap();
+    let out = guard.1.take().unwrap().wait_with_output().unwrap();
     assert!(out.status.success(), "owner failed: {out:?}");
     let owner_line = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -270,7 +344,7 @@ fn remote_reads_across_processes_shm() {
         .unwrap_or_else(|| "owner: (no tally)".to_owned());
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     println!(
-        "remote shm, {:.1} s, 3 reader threads (plain, chaos, chaos+pause): {} reads, {} verified hits \
+        "remote, {:.1} s, 4 reader threads (shm plain, shm chaos, shm chaos+pause, tcp with a chaos responder): {} reads, {} verified hits \
          ({} warm, one round trip), {} absent, {} gave up, {} validation failures caught, \
          {} torn buckets, {} retries, {} round trips, {} hits of pages with an acknowledged write, 0 wrong; {}",
         secs(),
