@@ -804,7 +804,7 @@ fn page_of(map: &OwnershipMap, index: u32) -> u64 {
 }
 
 #[test]
-fn a_non_owner_asked_with_epoch_0_refuses_and_caches_nothing() {
+fn a_non_owner_reads_from_the_owner_one_sidedly_and_caches_nothing() {
     let mut c = Cluster::new(RELAXED_LEASE_MS);
     c.start_node("o1", 512);
     c.start_node("o2", 512);
@@ -814,13 +814,20 @@ fn a_non_owner_asked_with_epoch_0_refuses_and_caches_nothing() {
     let page = page_of(&map, i2);
     rt().block_on(async move {
         let mut n1 = node_client(&map, i1).await;
+        let mut n2 = node_client(&map, i2).await;
         let stale = |r: Result<(), tonic::Status>, what: &str| {
             let e = r.expect_err(what);
             assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{what}: {e:?}");
             assert!(e.message().contains("stale map"), "{what}: {e:?}");
         };
+        let before = read_page(&mut n2, page, 0).await.expect("owner read");
         for epoch in [0, map.epoch - 1, map.epoch] {
-            stale(read_page(&mut n1, page, epoch).await.map(drop), "read");
+            // Read: served from the owner's memory, one-sidedly.
+            let got = read_page(&mut n1, page, epoch)
+                .await
+                .expect("non-owner read");
+            assert_eq!(got, before, "a non-owner returns the owner's bytes");
+            // Everything else that would cache or change the page: refused.
             stale(
                 n1.fault_in(FaultInRequest {
                     run: one(page),
@@ -865,10 +872,22 @@ fn a_non_owner_asked_with_epoch_0_refuses_and_caches_nothing() {
             .stats
             .expect("stats");
         assert_eq!(stats.pages_resident, 0, "the non-owner cached pages");
-        // The owner answers a caller that sends no epoch: its map decides.
-        let mut n2 = node_client(&map, i2).await;
-        let data = read_page(&mut n2, page, 0).await.expect("owner read");
-        assert_eq!(data.len() as u64, PAGE);
+        // A write acknowledged by the owner is what the non-owner reads next
+        // (the old code cached the page here and kept serving it).
+        retrying(Duration::from_secs(10), || {
+            let mut n2 = n2.clone();
+            async move {
+                n2.write(WriteRequest {
+                    page,
+                    data: written(page),
+                    map_epoch: 0,
+                })
+                .await
+            }
+        })
+        .await;
+        let got = read_page(&mut n1, page, 0).await.expect("non-owner read");
+        assert_eq!(got, written(page), "the non-owner read the pre-write bytes");
     });
 }
 
@@ -957,6 +976,96 @@ fn a_frozen_owner_answers_no_queued_read_with_pre_write_bytes() {
         "MEASURE frozen owner: {errors} of 4 queued reads refused, {fresh} of 10 fresh reads \
          refused; write acknowledged {} ms before SIGCONT",
         acked.elapsed().as_millis()
+    );
+}
+
+/// A third node reads a page one-sidedly from its owner (gRPC `Read` on a
+/// non-owner). The owner is frozen: its memory stays readable, but its
+/// extents move, and the new owner acknowledges a write. Reads through the
+/// third node that start after the acknowledgement never return the
+/// pre-write bytes: the new owner fences writes to an extent taken from a
+/// dead node for a lease, and the third node trusts its map only while its
+/// own lease holds.
+#[test]
+fn one_sided_reads_from_a_frozen_owner_never_return_pre_write_bytes() {
+    let lease_ms = 1000;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["s1", "s2", "s3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let map = c.grpc_map();
+    let victim = index_of(&map, "s2");
+    let reader = index_of(&map, "s1");
+    let page = page_of(&map, victim);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut via = rt.block_on(node_client(&map, reader));
+    let before = rt
+        .block_on(read_page(&mut via, page, 0))
+        .expect("read before");
+    assert_eq!(before, vec![0u8; PAGE as usize]);
+
+    c.node("s2").signal("STOP");
+    let start = Instant::now();
+    let acked_at = std::sync::Arc::new(std::sync::Mutex::new(None::<Duration>));
+    // Keep reading through the third node while the extent moves and the
+    // write goes through the new owner.
+    let hammer = {
+        let (mut via, acked_at) = (via.clone(), acked_at.clone());
+        rt.spawn(async move {
+            let (mut ok, mut refused, mut after_ack) = (0, 0, 0);
+            while start.elapsed() < Duration::from_secs(8) {
+                let began = start.elapsed();
+                let ack = *acked_at.lock().unwrap();
+                match read_page(&mut via, page, 0).await {
+                    Ok(bytes) => {
+                        ok += 1;
+                        if ack.is_some_and(|a| a < began) {
+                            after_ack += 1;
+                            assert_eq!(
+                                bytes,
+                                written(page),
+                                "a read begun {} ms after the write's ack returned pre-write bytes",
+                                (began - ack.unwrap()).as_millis()
+                            );
+                        }
+                    }
+                    Err(_) => refused += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            (ok, refused, after_ack)
+        })
+    };
+    let moved = c.wait_moved(victim);
+    let new_owner = moved.owner[(page / (EXTENT / PAGE)) as usize];
+    rt.block_on(async {
+        let n = node_client(&moved, new_owner).await;
+        retrying(Duration::from_secs(10), || {
+            let mut n = n.clone();
+            async move {
+                n.write(WriteRequest {
+                    page,
+                    data: written(page),
+                    map_epoch: moved.epoch,
+                })
+                .await
+            }
+        })
+        .await;
+    });
+    *acked_at.lock().unwrap() = Some(start.elapsed());
+    let (ok, refused, after_ack) = rt.block_on(hammer).expect("reader task");
+    c.node("s2").signal("CONT");
+    assert!(after_ack > 0, "no read began after the ack");
+    eprintln!(
+        "MEASURE one-sided frozen owner: {ok} reads answered ({after_ack} begun after the ack, all \
+         post-write), {refused} refused; write acknowledged {} ms after SIGSTOP",
+        acked_at.lock().unwrap().unwrap().as_millis()
     );
 }
 

@@ -56,6 +56,8 @@ pub(crate) enum DaemonError {
     Read(#[from] pagewire_node::ReadError),
     #[error(transparent)]
     Write(#[from] pagewire_node::WriteError),
+    #[error("the owner of page {page} cannot be read now: {reason}; retry")]
+    OwnerUnavailable { page: u64, reason: String },
     #[error("internal: {0}")]
     Internal(String),
 }
@@ -76,6 +78,7 @@ impl From<DaemonError> for tonic::Status {
             DaemonError::NoMap
             | DaemonError::LeaseExpired
             | DaemonError::Moving { .. }
+            | DaemonError::OwnerUnavailable { .. }
             | DaemonError::WritesFenced { .. } => tonic::Status::unavailable(msg),
             DaemonError::Read(ReadError::NoFrame)
             | DaemonError::Write(WriteError::NoFrame | WriteError::Read(ReadError::NoFrame)) => {

@@ -133,6 +133,65 @@ impl prometheus_client::collector::Collector for NodeCollector {
                 v.map.previous_owner.iter().filter(|&&p| p == v.me).count() as u64
             }),
         )?;
+        if let Some(src) = &n.one_sided {
+            let r = src.reader_stats();
+            let st = &src.stats;
+            for (name, help, v) in [
+                (
+                    "remote_pages",
+                    "Pages of other nodes' extents this node read for callers",
+                    st.pages.load(Ordering::Relaxed),
+                ),
+                (
+                    "remote_one_sided_hits",
+                    "Of those, read one-sidedly (no owner CPU)",
+                    st.one_sided.load(Ordering::Relaxed),
+                ),
+                (
+                    "remote_fallbacks",
+                    "Of those, faulted in on the owner over gRPC",
+                    st.fallbacks.load(Ordering::Relaxed),
+                ),
+                (
+                    "remote_connects",
+                    "One-sided connections opened to owners",
+                    st.reconnects.load(Ordering::Relaxed),
+                ),
+                ("remote_reads", "One-sided page reads attempted", r.reads),
+                (
+                    "remote_warm_hits",
+                    "One-sided hits from the index cache (one round trip)",
+                    r.warm_hits,
+                ),
+                (
+                    "remote_cold_hits",
+                    "One-sided hits found through the bucket index",
+                    r.cold_hits,
+                ),
+                ("remote_bucket_reads", "Bucket READs", r.bucket_reads),
+                ("remote_retries", "One-sided retries", r.retries),
+                (
+                    "remote_validation_failures",
+                    "Copies that failed validation (frame changed under the READ)",
+                    r.validation_failures,
+                ),
+                (
+                    "remote_torn_buckets",
+                    "Buckets seen locked, torn or changed during a walk",
+                    r.torn_buckets,
+                ),
+                (
+                    "remote_absent",
+                    "Walks that found the page absent",
+                    r.absent,
+                ),
+                ("remote_gave_up", "Reads that ran out of retries", r.gave_up),
+                ("remote_round_trips", "READ round trips", r.round_trips),
+                ("remote_bytes", "Bytes read one-sidedly", r.bytes),
+            ] {
+                counter(&mut enc, name, help, v)?;
+            }
+        }
         Ok(())
     }
 }

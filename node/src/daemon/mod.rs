@@ -13,6 +13,7 @@ mod error;
 mod lease;
 mod metrics;
 mod ownership;
+mod remote_source;
 mod service;
 mod transports;
 
@@ -58,6 +59,8 @@ pub(crate) struct Node {
     /// Where pages of extents this node does not serve come from (None:
     /// refused as a stale map).
     pub(crate) page_source: Option<Arc<dyn PageSource>>,
+    /// The same source, typed, for its counters.
+    pub(crate) one_sided: Option<Arc<remote_source::OneSided>>,
     pub(crate) index: AtomicU32,
     pub(crate) incarnation: AtomicU64,
     pub(crate) policy: Mutex<Policy>,
@@ -77,18 +80,20 @@ impl Node {
         node_id: String,
         cache: Arc<PageCache>,
         served: Option<transports::Served>,
+        page_source: Option<Arc<remote_source::OneSided>>,
     ) -> Self {
         Node {
             node_id,
             cache,
             served,
+            one_sided: page_source.clone(),
             view: RwLock::new(None),
             apply_lock: Mutex::new(()),
             applied: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             lease: Lease::new(Duration::from_millis(cfg.clock_drift_margin_ms)),
             lease_len: Mutex::new(Duration::ZERO),
-            page_source: None,
+            page_source: page_source.map(|p| p as Arc<dyn PageSource>),
             index: AtomicU32::new(0),
             incarnation: AtomicU64::new(0),
             policy: Mutex::new(Policy::default()),
@@ -244,7 +249,11 @@ pub(crate) async fn run(
         region_epoch = served.epoch,
         "cache open"
     );
-    let node = Arc::new(Node::new(&cfg, node_id, cache, Some(served)));
+    let source = Arc::new(remote_source::OneSided::new(
+        token.clone(),
+        cache.page_size(),
+    ));
+    let node = Arc::new(Node::new(&cfg, node_id, cache, Some(served), Some(source)));
     for t in node.served.iter().flat_map(|s| s.descriptors()) {
         tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");
     }
@@ -388,6 +397,7 @@ mod tests {
             &Config::default(),
             "t".into(),
             std::sync::Arc::new(cache),
+            None,
             None,
         );
         node.index.store(1, Ordering::Relaxed);

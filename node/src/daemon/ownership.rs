@@ -16,7 +16,12 @@
 //!    names a node that released the extent (`released_by`), only from one
 //!    lease plus the clock-drift margin after this node first applied such a
 //!    map: by then the releasing node has applied a map without the extent or
-//!    its lease ran out.
+//!    its lease ran out. The same fence holds for an extent this node gains
+//!    from another owner in any other way (the coordinator moved it off a
+//!    dead node), and for every extent it owns after skipped epochs: other
+//!    nodes read pages one-sidedly from the owner their map names, which may
+//!    be the old one (frozen, its memory still readable) until *their* lease
+//!    runs out, at most one lease after this map was published.
 //! 4. Pages of an extent this node does not serve come from a [`PageSource`]
 //!    (reading them from their owner, never caching them), or, with none, are
 //!    refused as a stale map.
@@ -30,14 +35,14 @@ use pagewire_proto::v1::OwnershipMap;
 use super::DaemonError;
 
 /// Reads pages of an extent this node does not serve from the node that
-/// does, without caching them here. None today: such reads are refused as a
-/// stale map; the remote reader plugs in here.
+/// does, without caching them here (`remote_source::OneSided` reads them
+/// one-sidedly). Without one, such reads are refused as a stale map.
 pub(crate) trait PageSource: Send + Sync {
     /// Pages `first..first + count` (all in one extent owned by `owner` at
     /// `epoch`): their bytes, and each page's generation.
     fn read(
         &self,
-        owner: u32,
+        owner: &pagewire_proto::v1::MapNode,
         epoch: u64,
         first: u64,
         count: u64,
@@ -140,8 +145,24 @@ impl MapView {
                 && (o.map.epoch + 1 == view.map.epoch
                     || (o.map.epoch == view.map.epoch && *o.map == *view.map))
         });
-        for (e, &r) in view.map.released_by.iter().enumerate() {
-            if r == 0 || r == me || view.role(e) != Role::Owner {
+        for e in 0..view.extents() {
+            if view.role(e) != Role::Owner {
+                continue;
+            }
+            let released = view
+                .map
+                .released_by
+                .get(e)
+                .is_some_and(|&r| r != 0 && r != me);
+            // Gained since the last map from another owner (not a handoff
+            // that ended: that one names `released_by`), or owned after a
+            // gap in the epochs, where anything may have moved.
+            let gained = match old {
+                Some(o) if continuous => o.role(e) != Role::Owner,
+                Some(_) => true,
+                None => false,
+            };
+            if !released && !gained {
                 continue;
             }
             let kept = old
@@ -195,6 +216,19 @@ mod tests {
     }
 
     const FENCE: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn an_extent_taken_from_a_dead_node_fences_its_writes() {
+        let now = Instant::now();
+        let v1 = MapView::plan(None, map(1, &[1, 2, 1], &[], &[]), 1, 16, FENCE, now).view;
+        // Node 2 died: its extent comes to us with no handoff and no release.
+        let v2 = MapView::plan(Some(&v1), map(2, &[1, 1, 1], &[], &[]), 1, 16, FENCE, now).view;
+        assert_eq!(v2.write_wait(1, now), Some(FENCE), "taken from a dead node");
+        assert_eq!(v2.write_wait(0, now), None, "kept");
+        // After a gap in the epochs every owned extent is fenced.
+        let v3 = MapView::plan(Some(&v2), map(5, &[1, 1, 1], &[], &[]), 1, 16, FENCE, now).view;
+        assert_eq!(v3.write_wait(0, now), Some(FENCE));
+    }
 
     #[test]
     fn roles_evictions_and_write_fences() {

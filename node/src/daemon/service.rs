@@ -270,8 +270,18 @@ impl NodeRpc for NodeService {
                                         "admitted a page source read without one".into(),
                                     )
                                 })?;
+                                let owner_node = view
+                                    .map
+                                    .nodes
+                                    .iter()
+                                    .find(|n| n.index == owner)
+                                    .ok_or_else(|| {
+                                    DaemonError::StaleMap(format!(
+                                        "node index {owner} owns page {first} but is not in the map"
+                                    ))
+                                })?;
                                 let (bytes, gens) =
-                                    source.read(owner, view.map.epoch, first, count)?;
+                                    source.read(owner_node, view.map.epoch, first, count)?;
                                 data.extend_from_slice(&bytes);
                                 generations.extend_from_slice(&gens);
                             }
