@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 secs=${1:-120}
 echo "== stress: ${secs} s per index variant (lockless, mutex, rwlock, sharded)"
-PAGEWIRE_STRESS_SECS=$secs cargo test -p pagewire-node --release --test stress -- --nocapture --test-threads 1
+PAGEWIRE_STRESS_SECS=$secs cargo test -p pagewire-node --release --features strict_assertions --test stress -- --nocapture --test-threads 1
 echo "== remote reads across processes: ${secs} s"
-PAGEWIRE_REMOTE_SECS=$secs cargo test -p pagewire-node --release --test remote -- --nocapture --test-threads 1
+PAGEWIRE_REMOTE_SECS=$secs cargo test -p pagewire-node --release --features strict_assertions --test remote -- --nocapture --test-threads 1

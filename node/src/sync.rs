@@ -50,3 +50,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
         Err(p) => p.into_inner(),
     }
 }
+
+/// `assert!` in debug builds and with feature `strict_assertions` (stress
+/// runs in release), nothing otherwise: the protocol's invariants, checked
+/// where a violation would otherwise corrupt state silently.
+macro_rules! strict_assert {
+    ($($t:tt)*) => {
+        if cfg!(any(debug_assertions, feature = "strict_assertions")) {
+            assert!($($t)*);
+        }
+    };
+}
+pub(crate) use strict_assert;

@@ -344,10 +344,16 @@ fn overflow_chains_are_readable_from_raw_bytes() {
         .collect();
     assert_eq!(chain.len(), 6);
     let held: Vec<_> = chain.iter().map(|&p| c.get(p).unwrap()).collect();
-    let view = c.region();
-    // SAFETY: the region is live while `c` is, and this thread is the only
-    // one touching the cache.
-    let raw = unsafe { std::slice::from_raw_parts(view.addr, view.len) };
+    // A copy of the region's bytes: the slice over the live region exists
+    // only during the copy, while no thread changes the cache.
+    let snapshot = |c: &PageCache| {
+        let view = c.region();
+        // SAFETY: the region is mapped while `c` lives; this thread is the
+        // only one using the cache, and it makes no change while the
+        // borrowed slice exists (it is dropped at the end of the statement).
+        unsafe { std::slice::from_raw_parts(view.addr, view.len) }.to_vec()
+    };
+    let raw = snapshot(&c);
     for (&p, g) in chain.iter().zip(&held) {
         let mut b = RawBucket::decode(&raw[l.bucket(0)..]).unwrap();
         let mut hops = 0;
@@ -368,6 +374,7 @@ fn overflow_chains_are_readable_from_raw_bytes() {
     for &p in &chain {
         assert_eq!(c.evict(p), Evicted::Yes);
     }
+    let raw = snapshot(&c);
     assert!(
         RawBucket::decode(&raw[l.bucket(0)..])
             .unwrap()

@@ -287,7 +287,7 @@ impl Frames {
     pub(crate) fn prepare(&self, f: u32, page: u64, len: u32) -> u64 {
         let h = self.header(f);
         let now = h.generation.load(Ordering::Relaxed);
-        debug_assert!(now.is_multiple_of(2), "preparing a visible frame {f}");
+        crate::sync::strict_assert!(now.is_multiple_of(2), "preparing a visible frame {f}");
         let generation = now.wrapping_add(1);
         // SAFETY: the caller filled frame `f` and still owns it (`Filling`,
         // refcount 0): nothing writes its bytes during the checksum.
@@ -307,8 +307,14 @@ impl Frames {
     /// Called under the lock of the chain that is about to link it.
     pub(crate) fn make_visible(&self, f: u32, generation: u64, refs: u32) {
         let h = self.header(f);
-        debug_assert_eq!(generation % 2, 1);
-        debug_assert_eq!(h.refcount.load(Ordering::Relaxed), 0);
+        crate::sync::strict_assert!(
+            generation % 2 == 1,
+            "making frame {f} visible at an even generation"
+        );
+        crate::sync::strict_assert!(
+            h.refcount.load(Ordering::Relaxed) == 0,
+            "making a referenced frame {f} visible"
+        );
         h.flags.store(FLAG_REFERENCED, Ordering::Relaxed);
         // Release: the bytes, page, len and checksum stored before (and the
         // invalidation of the page's previous copy) are visible to whoever
@@ -327,7 +333,7 @@ impl Frames {
     pub(crate) fn invalidate(&self, f: u32) {
         let h = self.header(f);
         let g = h.generation.load(Ordering::Relaxed);
-        debug_assert!(g % 2 == 1, "invalidating an invisible frame {f}");
+        crate::sync::strict_assert!(g % 2 == 1, "invalidating an invisible frame {f}");
         // Release: ordered after everything the frame's holder did before;
         // the write path fences after it before acknowledging.
         h.generation.store(g.wrapping_add(1), Ordering::Release);
@@ -433,9 +439,9 @@ impl Frames {
     /// Transition 5 for the index's own reference of an invalidated frame
     /// (copy-on-write replaced it): its last local reader frees it.
     pub(crate) fn drop_index_ref(&self, f: u32) {
-        debug_assert_eq!(
-            self.header(f).state.load(Ordering::Relaxed),
-            FrameState::Retired as u32
+        crate::sync::strict_assert!(
+            self.header(f).state.load(Ordering::Relaxed) == FrameState::Retired as u32,
+            "dropping the index reference of frame {f}, which is not retired"
         );
         self.put(f);
     }
