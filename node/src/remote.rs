@@ -228,8 +228,12 @@ impl<C: Connection> RemoteReader<C> {
                 got: out.len(),
             });
         }
-        let out = &mut out[..ps];
         self.stats.reads += 1;
+        self.read_one(page, &mut out[..ps])
+    }
+
+    /// [`RemoteReader::read_page`] after its checks, not counted in `reads`.
+    fn read_one(&mut self, page: u64, out: &mut [u8]) -> Result<Outcome, RemoteError> {
         let mut trips = 0u32;
         if let Some(&(frame, _)) = self.locations.get(&page) {
             trips += 1;
@@ -272,9 +276,192 @@ impl<C: Connection> RemoteReader<C> {
         Ok(Outcome::GaveUp)
     }
 
+    /// Read the run of pages `first..first + n` into `out` (`n` pages of
+    /// `page_size` bytes), batching READs under one doorbell per round:
+    ///
+    /// 1. pages the index cache knows: every header and frame READ at once;
+    /// 2. the others: their head buckets, one READ per cluster of 8
+    ///    adjacent buckets (one READ covers 8 consecutive pages), all at once;
+    /// 3. the frames those buckets name: every header and frame READ at once.
+    ///
+    /// A warm run is one round trip, a cold run whose pages sit in their head
+    /// buckets two. Pages that fail any step (not in the head bucket, failed
+    /// validation) are read one by one with [`RemoteReader::read_page`].
+    /// Returns one outcome per page.
+    pub fn read_run(
+        &mut self,
+        first: u64,
+        n: usize,
+        out: &mut [u8],
+    ) -> Result<Vec<Outcome>, RemoteError> {
+        let ps = self.sb.layout.page_size;
+        let end = first.saturating_add(n as u64);
+        if end > self.sb.file_pages {
+            return Err(RemoteError::BeyondEnd {
+                page: end - 1,
+                pages: self.sb.file_pages,
+            });
+        }
+        if out.len() < n * ps {
+            return Err(RemoteError::BufferSize {
+                need: n * ps,
+                got: out.len(),
+            });
+        }
+        self.stats.reads += n as u64;
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
+        // Round 1: the pages whose location is cached.
+        let known: Vec<(usize, u32, Option<u32>)> = (0..n)
+            .filter_map(|i| {
+                self.locations
+                    .get(&(first + i as u64))
+                    .map(|&(f, _)| (i, f, None))
+            })
+            .collect();
+        if !known.is_empty() {
+            let ok = self.read_frames(first, &known, out)?;
+            self.stats.round_trips += 1;
+            for (i, f, g) in ok {
+                self.stats.warm_hits += 1;
+                outcomes[i] = Some(self.record(first + i as u64, f, g, 1));
+            }
+            for &(i, _, _) in &known {
+                if outcomes[i].is_none() {
+                    self.locations.remove(&(first + i as u64));
+                }
+            }
+        }
+        // Round 2: the head buckets of the rest, a cluster per READ.
+        let rest: Vec<usize> = (0..n).filter(|&i| outcomes[i].is_none()).collect();
+        if !rest.is_empty() && self.sb.index == IndexCode::Lockless {
+            let l = self.sb.layout;
+            let mut spans: Vec<(usize, usize)> = Vec::new(); // (first bucket, count)
+            for &i in &rest {
+                let b = crate::layout::bucket_of(first + i as u64, l.bucket_count as u64) as usize;
+                match spans.last_mut() {
+                    Some((s, c)) if *s + *c == b => *c += 1,
+                    Some((s, c)) if b >= *s && b < *s + *c => {}
+                    _ => spans.push((b, 1)),
+                }
+            }
+            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, c)| vec![0u8; c * LINE]).collect();
+            {
+                let mut reads: Vec<(u64, &mut [u8])> = spans
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|(&(b, _), buf)| (l.bucket(b) as u64, &mut buf[..]))
+                    .collect();
+                self.stats.bucket_reads += reads.len() as u64;
+                self.stats.round_trips += 1;
+                read_all(&mut self.conn, self.desc, &mut reads)?;
+            }
+            let mut found = Vec::new();
+            for &i in &rest {
+                let page = first + i as u64;
+                let b = crate::layout::bucket_of(page, l.bucket_count as u64) as usize;
+                let Some((k, &(s, _))) = spans
+                    .iter()
+                    .enumerate()
+                    .find(|(_, (s, c))| b >= *s && b < *s + *c)
+                else {
+                    continue;
+                };
+                let off = (b - s) * LINE;
+                let bucket = RawBucket::decode(&bufs[k][off..off + LINE]).expect("64 bytes");
+                if bucket.ctrl & crate::layout::ctrl::LOCKED != 0 {
+                    continue;
+                }
+                if let Some(val) = bucket.find(page) {
+                    found.push((
+                        i,
+                        crate::layout::val_frame(val),
+                        Some(crate::layout::val_gen32(val)),
+                    ));
+                }
+            }
+            // Round 3: the frames found.
+            if !found.is_empty() {
+                let ok = self.read_frames(first, &found, out)?;
+                self.stats.round_trips += 1;
+                for (i, f, g) in ok {
+                    self.stats.cold_hits += 1;
+                    outcomes[i] = Some(self.record(first + i as u64, f, g, 2));
+                }
+            }
+        }
+        // The rest, one by one (overflow chains, torn buckets, absences).
+        let mut result = Vec::with_capacity(n);
+        for (i, o) in outcomes.into_iter().enumerate() {
+            let o = match o {
+                Some(o) => o,
+                None => self.read_one(first + i as u64, &mut out[i * ps..(i + 1) * ps])?,
+            };
+            result.push(o);
+        }
+        Ok(result)
+    }
+
+    /// READ the header and frame of every `(index in run, frame, gen32)`
+    /// under one doorbell into `out[index * page_size..]`, and validate each
+    /// as page `first + index`. Returns those that validated with their
+    /// generation.
+    fn read_frames(
+        &mut self,
+        first: u64,
+        want: &[(usize, u32, Option<u32>)],
+        out: &mut [u8],
+    ) -> Result<Vec<(usize, u32, u64)>, RemoteError> {
+        let l = self.sb.layout;
+        let ps = l.page_size;
+        let want: Vec<(usize, u32, Option<u32>)> = want
+            .iter()
+            .copied()
+            .filter(|&(_, f, _)| (f as usize) < l.frame_count)
+            .collect();
+        let mut headers = vec![0u8; want.len() * LINE];
+        {
+            let mut frames: Vec<&mut [u8]> = out.chunks_exact_mut(ps).collect();
+            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(2 * want.len());
+            let mut hdrs = headers.chunks_exact_mut(LINE);
+            // Take each wanted frame's buffer out of `frames` (indices are
+            // distinct and increasing).
+            let mut taken: Vec<Option<&mut [u8]>> = frames.drain(..).map(Some).collect();
+            for &(i, f, _) in &want {
+                reads.push((
+                    l.header(f as usize) as u64,
+                    hdrs.next().expect("one per frame"),
+                ));
+                reads.push((
+                    l.frame(f as usize) as u64,
+                    taken[i].take().expect("each page once"),
+                ));
+            }
+            read_all(&mut self.conn, self.desc, &mut reads)?;
+        }
+        let mut ok = Vec::with_capacity(want.len());
+        for (k, &(i, f, gen32)) in want.iter().enumerate() {
+            let page = first + i as u64;
+            let frame = &out[i * ps..(i + 1) * ps];
+            let valid = RawHeader::decode(&headers[k * LINE..(k + 1) * LINE]).filter(|h| {
+                h.validate(page, frame) && gen32.is_none_or(|g| h.generation as u32 == g)
+            });
+            match valid {
+                Some(h) => ok.push((i, f, h.generation)),
+                None => self.stats.validation_failures += 1,
+            }
+        }
+        Ok(ok)
+    }
+
     fn hit(&mut self, page: u64, frame: u32, generation: u64, trips: u32) -> Outcome {
-        self.locations.insert(page, (frame, generation));
         self.stats.round_trips += u64::from(trips);
+        self.record(page, frame, generation, trips)
+    }
+
+    /// A validated page: remember where it is; `trips` is what the caller
+    /// reports (the rounds of a batch are counted once, by `read_run`).
+    fn record(&mut self, page: u64, frame: u32, generation: u64, trips: u32) -> Outcome {
+        self.locations.insert(page, (frame, generation));
         self.stats.bytes += self.sb.layout.page_size as u64;
         Outcome::Hit {
             frame,

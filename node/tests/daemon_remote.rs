@@ -250,6 +250,34 @@ fn a_node_serves_its_region_one_sidedly_over_shm_and_tcp() {
     assert_eq!(st.warm_hits, 64);
     assert_eq!(st.validation_failures, 0);
 
+    // Runs of 16 pages: a cold run is two rounds (one READ per cluster of 8
+    // buckets, then every frame under one doorbell), a warm run one.
+    rt.block_on(warm(grpc, 64, 64));
+    let mut runs = tcp_reader(&tcp, desc(&tcp)).unwrap();
+    let mut buf16 = vec![0u8; 16 * PS];
+    for warm_pass in [false, true] {
+        for run in 0..4u64 {
+            let first = 64 + run * 16;
+            let before = runs.stats().round_trips;
+            let outcomes = runs.read_run(first, 16, &mut buf16).unwrap();
+            for (i, o) in outcomes.iter().enumerate() {
+                assert!(
+                    matches!(o, Outcome::Hit { .. }),
+                    "page {}: {o:?}",
+                    first + i as u64
+                );
+                pattern::verify(first + i as u64, &buf16[i * PS..(i + 1) * PS]).unwrap();
+            }
+            let rounds = runs.stats().round_trips - before;
+            if warm_pass {
+                assert_eq!(rounds, 1, "a warm run of 16 is one round trip");
+            } else {
+                // Pages in overflow buckets take their own walk.
+                assert!(rounds >= 2, "a cold run: {rounds} rounds");
+            }
+        }
+    }
+
     // A write acknowledged over gRPC is seen through the stale index cache.
     let mut page = vec![0u8; PS];
     pattern::fill(5, 1, &mut page);

@@ -209,7 +209,39 @@ fn read_loop<C: pagewire_rdma::Connection>(
 ) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut buf = vec![0u8; PS];
+    let mut run = vec![0u8; 16 * PS];
     while Instant::now() < deadline {
+        // One read in eight is a batched run of 16 pages.
+        if rng.random_ratio(1, 8) {
+            let first = rng.random_range(0..PAGES - 16);
+            let floors: Vec<u64> = (first..first + 16)
+                .map(|p| acked[p as usize].load(Ordering::Acquire))
+                .collect();
+            tally.reads.fetch_add(16, Ordering::Relaxed);
+            let outcomes = reader.read_run(first, 16, &mut run).unwrap();
+            for (i, o) in outcomes.iter().enumerate() {
+                let p = first + i as u64;
+                match o {
+                    Outcome::Hit { .. } => {
+                        let g = pattern::verify(p, &run[i * PS..(i + 1) * PS])
+                            .unwrap_or_else(|e| panic!("wrong bytes for page {p} in a run: {e:?}"));
+                        assert!(
+                            g >= floors[i],
+                            "page {p} in a run: {g} < acknowledged {}",
+                            floors[i]
+                        );
+                        tally.hits.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Outcome::Absent => {
+                        tally.absent.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Outcome::GaveUp => {
+                        tally.gave_up.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            continue;
+        }
         let p = if rng.random_bool(0.5) {
             rng.random_range(0..16)
         } else {
