@@ -5,10 +5,12 @@
 #
 # 1. installs what it needs (verbs build deps, the soft-RoCE VM's tools,
 #    redis-server for the bench);
-# 2. builds and lints pagewire-rdma with every feature (verbs included);
+# 2. builds and lints pagewire-rdma with every feature (verbs included), and
+#    pagewire-node with `verbs` (its remote-read test over verbs);
 # 3. runs the rdma tests (tcp and shm conformance; the verbs tests are
 #    ignored here: no RDMA in this kernel);
-# 4. runs the verbs conformance suite inside a soft-RoCE VM;
+# 4. runs, inside a soft-RoCE VM, the verbs conformance suite and the node's
+#    remote-read test over verbs (node/tests/remote_verbs.rs, 3 s of reads);
 # 5. smoke-runs `pagewire-bench transport --quick`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +29,9 @@ apt-get install -y -q \
 step "fmt"
 cargo fmt --all --check
 
-step "clippy (pagewire-rdma, all features; pagewire-bench)"
+step "clippy (pagewire-rdma, all features; pagewire-node with verbs; pagewire-bench)"
 cargo clippy -p pagewire-rdma --all-targets --all-features -- -D warnings
+cargo clippy -p pagewire-node --all-targets --features verbs -- -D warnings
 cargo clippy -p pagewire-bench --all-targets -- -D warnings
 
 step "tests (pagewire-rdma, all features)"
@@ -38,7 +41,7 @@ else
     cargo test -p pagewire-rdma --all-features
 fi
 
-step "verbs conformance suite on soft-RoCE"
+step "verbs conformance suite and remote-read test on soft-RoCE"
 bash rdma/scripts/softroce-test.sh
 
 step "pagewire-bench transport --quick"

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Runs the verbs conformance suite on real ibverbs, inside a soft-RoCE VM.
+# Runs pagewire's verbs tests on real ibverbs, inside a soft-RoCE VM: the
+# rdma crate's verbs conformance suite, then the node's remote-read test over
+# verbs (node/tests/remote_verbs.rs: an owner process's page cache under
+# faults, eviction and writes, read one-sided by reader threads).
 #
 # The development and CI kernels have no RDMA, so this boots Debian's stock
 # kernel under qemu (TCG: KVM does not work on these hosts) with a hand-made
 # busybox initramfs, loads soft-RoCE (rdma_rxe), adds rxe0 on the VM's eth0,
-# and runs the verbs test binary (built here, shared read-only over 9p) with
-# --ignored. Prints SOFTROCE PASS and exits 0 only if every test passed.
+# and runs both test binaries (built here, shared read-only over 9p) with
+# --ignored. Prints SOFTROCE PASS and exits 0 only if every test of both
+# passed.
 #
 # Needs (apt): qemu-system-x86 busybox-static kmod cpio rdma-core
 # ibverbs-providers libibverbs-dev librdmacm-dev iproute2, plus the verbs
@@ -14,8 +18,9 @@
 # target/softroce/.
 #
 # Environment: SOFTROCE_TIMEOUT (seconds for the VM, default 900),
-# SOFTROCE_TEST_ARGS (extra libtest args, e.g. a test name filter),
-# CARGO_TARGET_DIR (as for cargo).
+# SOFTROCE_TEST_ARGS (extra libtest args for the conformance suite, e.g. a
+# test name filter), SOFTROCE_REMOTE_SECS (seconds the remote-read test
+# reads, default 3; 0 skips it), CARGO_TARGET_DIR (as for cargo).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,18 +28,25 @@ cd "$repo"
 target=${CARGO_TARGET_DIR:-$repo/target}
 work=$target/softroce
 timeout_s=${SOFTROCE_TIMEOUT:-900}
+remote_secs=${SOFTROCE_REMOTE_SECS:-3}
 mkdir -p "$work"
 
 say() { echo "softroce: $*" >&2; }
 
-# 1. The test binary.
-say "building the verbs conformance tests"
-bin=$(cargo test -p pagewire-rdma --features verbs --test verbs --no-run --message-format=json 2>/dev/null \
-    | grep -o '"executable":"[^"]*"' | tail -n1 | sed 's/"executable":"//; s/"$//')
-[ -x "$bin" ] || { say "could not find the test binary"; exit 1; }
+# 1. The test binaries.
+test_binary() { # PACKAGE TEST: builds it with the verbs feature, prints its path
+    cargo test -p "$1" --features verbs --test "$2" --no-run --message-format=json 2>/dev/null \
+        | grep -o '"executable":"[^"]*"' | tail -n1 | sed 's/"executable":"//; s/"$//'
+}
+say "building the verbs conformance tests and the node's remote-read test"
+bin=$(test_binary pagewire-rdma verbs)
+[ -x "$bin" ] || { say "could not find the verbs test binary"; exit 1; }
+remote_bin=$(test_binary pagewire-node remote_verbs)
+[ -x "$remote_bin" ] || { say "could not find the remote_verbs test binary"; exit 1; }
 share=$work/share
 rm -rf "$share"; mkdir -p "$share"
 cp "$bin" "$share/verbs-tests"
+cp "$remote_bin" "$share/remote-verbs-tests"
 
 # 2. The kernel, unpacked, never installed.
 kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
@@ -74,7 +86,7 @@ copy_with_libs() {
 }
 # libibverbs and librdmacm are loaded at run time by sideway (dlopen): copy
 # them and the rxe provider by name, with their own libraries.
-copy_with_libs "$rdma_tool" "$bin" \
+copy_with_libs "$rdma_tool" "$bin" "$remote_bin" \
     "$(readlink -f $libdir/libibverbs.so.1)" "$(readlink -f $libdir/librdmacm.so.1)" \
     $libdir/libibverbs/librxe-rdmav*.so
 for l in libibverbs.so.1 librdmacm.so.1; do
@@ -119,14 +131,22 @@ rdma link add rxe0 type rxe netdev eth0 || echo "softroce-vm: rdma link add fail
 sleep 1
 rdma link show
 mount -t 9p -o trans=virtio,version=9p2000.L,ro host0 /mnt/host
-echo "softroce-vm: running the verbs conformance suite"
 cd /tmp
-PAGEWIRE_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1 /mnt/host/verbs-tests --ignored --test-threads=1 $(cat /test-args)
-echo "SOFTROCE-RESULT rc=$?"
+export PAGEWIRE_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1
+echo "softroce-vm: running the verbs conformance suite"
+/mnt/host/verbs-tests --ignored --test-threads=1 $(cat /test-args)
+echo "SOFTROCE-RESULT verbs rc=$?"
+secs=$(cat /remote-secs)
+if [ "$secs" != 0 ]; then
+    echo "softroce-vm: running the remote-read test over verbs (${secs} s)"
+    PAGEWIRE_REMOTE_SECS=$secs /mnt/host/remote-verbs-tests --ignored --nocapture --test-threads=1
+    echo "SOFTROCE-RESULT remote rc=$?"
+fi
 poweroff -f
 INIT
 chmod +x "$root/init"
 echo "${SOFTROCE_TEST_ARGS:-}" > "$root/test-args"
+echo "$remote_secs" > "$root/remote-secs"
 (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initrd.gz"
 
 # 4. Boot it.
@@ -145,9 +165,19 @@ set -e
 if [ "$qemu_rc" = 124 ]; then
     say "the VM did not finish within ${timeout_s}s (a hang)"
 fi
-if grep -q '^SOFTROCE-RESULT rc=0' "$log" && grep -q '^test result: ok\.' "$log" \
-    && ! grep -q ' 0 passed' "$log"; then
-    echo "SOFTROCE PASS: verbs conformance suite passed on soft-RoCE ($(grep '^test result' "$log"))"
+# Every suite that ran reported rc=0, each with a passing libtest summary
+# that passed something; the remote-read test printed its tally (with
+# --nocapture it may share a line with libtest's "test NAME ... ").
+clean=$work/console.clean
+tr -d '\r' < "$log" > "$clean"
+results=$(grep -c '^SOFTROCE-RESULT ' "$clean" || true)
+expected=2; [ "$remote_secs" = 0 ] && expected=1
+if [ "$results" = "$expected" ] && ! grep '^SOFTROCE-RESULT ' "$clean" | grep -qv ' rc=0$' \
+    && [ "$(grep -c '^test result: ok\.' "$clean")" = "$expected" ] && ! grep -q ' 0 passed' "$clean" \
+    && { [ "$remote_secs" = 0 ] || grep -q 'remote over verbs (' "$clean"; }; then
+    echo "SOFTROCE PASS: verbs tests passed on soft-RoCE:"
+    grep '^test result' "$clean" | sed 's/^/  /'
+    grep -o 'remote over verbs (.*' "$clean" | sed 's/^/  /' || true
     exit 0
 fi
 echo "SOFTROCE FAIL: see $log"
