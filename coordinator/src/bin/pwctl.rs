@@ -714,6 +714,10 @@ fn stats_json(s: &NodeStats) -> Value {
         "retries": s.retries, "bytes_served": s.bytes_served, "writes": s.writes,
         "pages_resident": s.pages_resident, "capacity_pages": s.capacity_pages,
         "extents_owned": s.extents_owned, "stale_map_rejections": s.stale_map_rejections,
+        "remote_pages": s.remote_pages, "remote_one_sided": s.remote_one_sided,
+        "remote_fallbacks": s.remote_fallbacks, "remote_round_trips": s.remote_round_trips,
+        "remote_retries": s.remote_retries,
+        "remote_validation_failures": s.remote_validation_failures,
     })
 }
 
@@ -972,6 +976,11 @@ fn print_stats(rows: &[StatsRow], as_json: bool) {
                 human_bytes(s.bytes_served),
                 format!("{}/{}", s.pages_resident, s.capacity_pages),
                 s.extents_owned.to_string(),
+                format!(
+                    "{}/{}/{}",
+                    s.remote_pages, s.remote_one_sided, s.remote_fallbacks
+                ),
+                s.remote_validation_failures.to_string(),
                 r.source.clone(),
             ]
         })
@@ -989,6 +998,8 @@ fn print_stats(rows: &[StatsRow], as_json: bool) {
                 "SERVED",
                 "RESIDENT",
                 "EXTENTS",
+                "REMOTE(ALL/1-SIDED/FALLBACK)",
+                "VALIDATION_FAILS",
                 "SOURCE"
             ],
             &t

@@ -212,6 +212,24 @@ impl Node {
             capacity_pages: frames,
             extents_owned: self.view().map_or(0, |v| v.owned()),
             stale_map_rejections: self.stale_rejections.load(Ordering::Relaxed),
+            ..self.remote_stats()
+        }
+    }
+
+    /// The one-sided path's counters, in `NodeStats` form.
+    fn remote_stats(&self) -> NodeStats {
+        let Some(src) = &self.one_sided else {
+            return NodeStats::default();
+        };
+        let r = src.reader_stats();
+        NodeStats {
+            remote_pages: src.stats.pages.load(Ordering::Relaxed),
+            remote_one_sided: src.stats.one_sided.load(Ordering::Relaxed),
+            remote_fallbacks: src.stats.fallbacks.load(Ordering::Relaxed),
+            remote_round_trips: r.round_trips,
+            remote_retries: r.retries,
+            remote_validation_failures: r.validation_failures,
+            ..NodeStats::default()
         }
     }
 }
