@@ -1,7 +1,8 @@
 //! `pagewire-bench remote`: the same pages of one owner read four ways in
 //! one run, side by side: one-sided over `shm`, one-sided over `tcp`, the
 //! two-sided gRPC `Read` of the node daemon, and Redis GET of the same 4 KiB
-//! values; with a spinning raw TCP ping-pong as the floor of `tcp`.
+//! values; with raw TCP ping-pongs (one spinning, one blocking) as the floor
+//! of `tcp`.
 //!
 //! * The file: a self-describing file (`pattern::generate_file`) of
 //!   `--pages` 4 KiB pages, fully cached by every owner before anything is
@@ -74,7 +75,8 @@ pub struct Args {
     #[arg(long = "run", value_delimiter = ',', default_value = "1,16")]
     pub run: Vec<usize>,
     /// Paths to measure, comma-separated: shm, tcp (one-sided), grpc,
-    /// redis, raw_tcp (the ping-pong floor).
+    /// redis, raw_tcp (the ping-pong floor: one that spins for `--spin-us`,
+    /// one that blocks at once).
     #[arg(
         long,
         value_delimiter = ',',
@@ -229,6 +231,21 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
         owner_cpu_us: cpu0.zip(cpu1).map(|(a, b)| (b - a) / reads),
         counters,
     })
+}
+
+/// What `pattern::verify` of one page costs here, µs (median of 5 passes
+/// over the file).
+fn verify_cost_us(file: &Path) -> anyhow::Result<f64> {
+    let bytes = std::fs::read(file)?;
+    let mut passes = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        for (p, page) in bytes.chunks_exact(PAGE).enumerate() {
+            std::hint::black_box(pattern::verify(p as u64, page)).ok();
+        }
+        passes.push(t.elapsed().as_secs_f64() * 1e6 / (bytes.len() / PAGE).max(1) as f64);
+    }
+    Ok(median(passes))
 }
 
 /// A tmpfs folder for the `shm` owner (/dev/shm when there is one).
@@ -399,6 +416,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("data");
     pattern::generate_file(&file, pages * PAGE as u64, PAGE)?;
+    let verify_us = verify_cost_us(&file)?;
+    notes.push(format!(
+        "every path verifies each page whole inside the timed op (pattern::verify): {verify_us:.2} us per page on this machine, included in every latency and throughput"
+    ));
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, TOKEN)?;
     let frames = pages as usize + 64;
@@ -504,14 +525,19 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    let raw_addr = if want("raw_tcp") {
-        Some(clients::raw_tcp_server(
-            Arc::new(std::fs::read(&file)?),
-            spin,
-        )?)
-    } else {
-        None
-    };
+    // The floor of one-sided tcp: a raw ping-pong that spins (as the issue
+    // names it) and one that blocks at once, side by side.
+    let mut raw = Vec::new();
+    if want("raw_tcp") {
+        let bytes = Arc::new(std::fs::read(&file)?);
+        for (transport, s) in [("tcp_spin", spin), ("tcp_block", Duration::ZERO)] {
+            raw.push((
+                transport,
+                s,
+                clients::raw_tcp_server(Arc::clone(&bytes), s)?,
+            ));
+        }
+    }
 
     // Build every group (connections open, warm readers primed).
     let mut groups = Vec::new();
@@ -574,14 +600,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 runs: a.run.clone(),
             });
         }
-        if let Some(addr) = raw_addr {
+        for &(transport, s, addr) in &raw {
             let mut cs: Vec<Box<dyn Client>> = Vec::new();
             for _ in 0..n {
-                cs.push(Box::new(clients::RawTcp::connect(addr, spin)?));
+                cs.push(Box::new(clients::RawTcp::connect(addr, s)?));
             }
             groups.push(Group {
                 path: "raw_tcp",
-                transport: "tcp",
+                transport,
                 index_cache: "-",
                 owner: "-",
                 owner_pid: None,
@@ -650,6 +676,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         "runs": runs,
         "pages": pages,
         "page_bytes": PAGE,
+        "verify_us_per_page": verify_us,
         "reader": format!("{:?}", ReaderConfig::default()),
     });
     let doc = serde_json::json!({
@@ -814,14 +841,30 @@ fn targets(rows: &[Row]) -> Vec<Target> {
             met: v < 0.02,
         });
     }
-    if let (Some(t), Some(r)) = (os("tcp", 1), find(rows, "raw_tcp", "tcp", "-", 1, 1)) {
-        let v = t.p50_us / r.p50_us;
-        out.push(Target {
-            target: "one-sided tcp p50 / spinning raw TCP ping-pong p50, 1 client".into(),
-            value: v,
-            bound: "<= 1.5x".into(),
-            met: v <= 1.5,
-        });
+    let spin = find(rows, "raw_tcp", "tcp_spin", "-", 1, 1);
+    let block = find(rows, "raw_tcp", "tcp_block", "-", 1, 1);
+    // The issue's floor is the spinning ping-pong; where spinning loses to
+    // blocking (cores busy), the faster of the two is the honest floor.
+    let fastest = match (spin, block) {
+        (Some(a), Some(b)) => Some(if a.p50_us <= b.p50_us { a } else { b }),
+        (a, b) => a.or(b),
+    };
+    for (name, floor) in [
+        ("spinning raw TCP ping-pong", spin),
+        (
+            "the faster raw TCP ping-pong (spinning or blocking)",
+            fastest,
+        ),
+    ] {
+        if let (Some(t), Some(r)) = (os("tcp", 1), floor) {
+            let v = t.p50_us / r.p50_us;
+            out.push(Target {
+                target: format!("one-sided tcp p50 / {name} p50, 1 client"),
+                value: v,
+                bound: "<= 1.5x".into(),
+                met: v <= 1.5,
+            });
+        }
     }
     for r in rows
         .iter()
