@@ -422,7 +422,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     ));
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, TOKEN)?;
-    let frames = pages as usize + 64;
+    // Twice the file: the daemon's policy starts evicting above its high
+    // watermark (a percentage of the frames), and every page must stay cached.
+    let frames = 2 * pages as usize;
 
     // The daemon: the gRPC row, and the one-sided owner once it serves shm/tcp.
     let need_daemon = want("grpc") || a.owner == "daemon";

@@ -132,7 +132,7 @@ impl<C: Connection + Send> Client for OneSided<C> {
         for p in 0..pages {
             match self.reader.read_page(p, &mut self.buf)? {
                 Outcome::Hit { .. } => {}
-                o => bail!("priming page {p}: {o:?}"),
+                o => bail!("priming page {p}: {o:?} (the owner does not hold every page)"),
             }
         }
         Ok(())
