@@ -11,6 +11,7 @@ mod insert;
 mod local;
 mod machine;
 mod plot;
+mod remote;
 mod report;
 mod transport;
 mod workers;
@@ -37,6 +38,12 @@ enum Cmd {
     /// 4 KiB READ latency and throughput of each transport, beside raw TCP,
     /// memcpy and Redis GET.
     Transport(transport::TransportArgs),
+    /// The same pages of one owner read four ways: one-sided over `shm` and
+    /// `tcp`, the two-sided gRPC `Read`, and Redis GET; owner CPU per read.
+    Remote(remote::Args),
+    /// The owner process of `remote` (started by it; not for direct use).
+    #[command(hide = true)]
+    RemoteOwner(remote::owner::OwnerArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,5 +56,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bytes(a) => bytes::run(&a),
         Cmd::Insert(a) => insert::run(&a),
         Cmd::Transport(a) => transport::run(&a),
+        Cmd::Remote(a) => remote::run(&a),
+        Cmd::RemoteOwner(a) => remote::owner::serve(&a),
     }
 }

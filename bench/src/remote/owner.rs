@@ -1,0 +1,218 @@
+//! The bench's own owner process: a page cache whose region lives in `shm`
+//! memory, the same memory registered with a `tcp` responder
+//! (`register_external`), the whole file preloaded.
+//!
+//! It stands in for the node daemon until the daemon serves its region over
+//! `shm` and `tcp` itself: a separate process, so that the CPU it spends per
+//! one-sided read can be measured from outside. The parent starts it as
+//! `pagewire-bench remote-owner ...`, reads one JSON line of descriptors from
+//! its stdout, and ends it by closing its stdin.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use pagewire_node::index::Lockless;
+use pagewire_node::{CacheConfig, PageCache};
+use pagewire_rdma::shm::ShmOwner;
+use pagewire_rdma::tcp::{ResponderConfig, TcpResponder};
+use pagewire_rdma::{LocalRegion, MemoryOwner, RegionDescriptor};
+use serde::{Deserialize, Serialize};
+
+/// Name of the `shm` owner inside its directory.
+const SHM_NAME: &str = "owner";
+
+/// Options of the hidden `remote-owner` subcommand.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OwnerArgs {
+    /// The self-describing file to cache.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Directory for the `shm` owner's files (a tmpfs such as /dev/shm).
+    #[arg(long)]
+    pub shm_dir: PathBuf,
+    /// Frames in the cache.
+    #[arg(long)]
+    pub frames: usize,
+    /// File holding the `tcp` token.
+    #[arg(long)]
+    pub token_file: PathBuf,
+    /// Adaptive polling of the `tcp` responder, microseconds.
+    #[arg(long)]
+    pub spin_us: u64,
+}
+
+/// What the owner prints once it serves (one JSON line).
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct Served {
+    pub pid: u32,
+    pub shm_dir: PathBuf,
+    pub shm_name: String,
+    pub shm: RegionDescriptor,
+    pub tcp_addr: SocketAddr,
+    pub tcp: RegionDescriptor,
+    pub pages: u64,
+    pub preloaded: u64,
+}
+
+/// The owner process's main: set up, preload, print [`Served`], then serve
+/// until stdin closes.
+///
+/// # Errors
+/// Any set-up step failed.
+pub fn serve(a: &OwnerArgs) -> anyhow::Result<()> {
+    let token = std::fs::read(&a.token_file).context("token file")?;
+    let epoch = fastrand::u64(1..);
+    let owner = ShmOwner::create_in_with_epoch(&a.shm_dir, SHM_NAME, epoch)?;
+    let region = owner.register(PageCache::<Lockless>::region_len(4096, a.frames))?;
+    let shm = region.descriptor();
+    let cache = Arc::new(PageCache::<Lockless>::open_on(
+        &a.file,
+        CacheConfig {
+            frames: a.frames,
+            ..CacheConfig::default()
+        },
+        Some(Box::new(region)),
+    )?);
+    cache.set_epoch(epoch);
+    let mut config = ResponderConfig::new(token);
+    config.epoch = Some(epoch);
+    config.spin = Duration::from_micros(a.spin_us);
+    let responder = TcpResponder::bind((Ipv4Addr::LOCALHOST, 0), config)?;
+    let view = cache.region();
+    let keep: MemoryOwner = Arc::clone(&cache) as MemoryOwner;
+    // SAFETY:
+    // * `view` is the cache's whole region, which the cache keeps mapped for
+    //   its lifetime; `keep` holds the cache, so the memory outlives the
+    //   registration.
+    // * The cache writes its region only with atomic word stores (frames are
+    //   filled through raw spans of atomics, headers and buckets are
+    //   atomics), and hands out no `&mut` to it.
+    let tcp_region = unsafe {
+        responder.register_external(
+            NonNull::new(view.addr.cast_mut()).context("null region")?,
+            view.len,
+            keep,
+        )
+    }?;
+    let preloaded = cache.preload(0, cache.pages())?;
+    let served = Served {
+        pid: std::process::id(),
+        shm_dir: a.shm_dir.clone(),
+        shm_name: SHM_NAME.into(),
+        shm,
+        tcp_addr: responder.local_addr(),
+        tcp: tcp_region.descriptor(),
+        pages: cache.pages(),
+        preloaded,
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::to_string(&served)?)?;
+    out.flush()?;
+    drop(out);
+    // Serve until the parent closes our stdin (or dies).
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    drop(tcp_region);
+    drop(responder);
+    drop(cache);
+    drop(owner);
+    Ok(())
+}
+
+/// The parent's handle on a running owner process; ends it on drop.
+pub struct OwnerProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    pub served: Served,
+}
+
+impl OwnerProcess {
+    /// Starts `exe remote-owner` over `file` and waits until it serves.
+    pub fn start(
+        exe: &Path,
+        file: &Path,
+        shm_dir: &Path,
+        frames: usize,
+        token_file: &Path,
+        spin_us: u64,
+    ) -> anyhow::Result<Self> {
+        let mut child = Command::new(exe)
+            .arg("remote-owner")
+            .arg("--file")
+            .arg(file)
+            .arg("--shm-dir")
+            .arg(shm_dir)
+            .arg("--frames")
+            .arg(frames.to_string())
+            .arg("--token-file")
+            .arg(token_file)
+            .arg("--spin-us")
+            .arg(spin_us.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the owner process")?;
+        let stdin = child.stdin.take();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("owner stdout")?)
+            .read_line(&mut line)
+            .context("reading the owner's descriptors")?;
+        if line.trim().is_empty() {
+            let status = child.wait()?;
+            bail!("the owner process exited before serving ({status})");
+        }
+        let served: Served = serde_json::from_str(line.trim()).context("owner's descriptors")?;
+        Ok(Self {
+            child,
+            stdin,
+            served,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for OwnerProcess {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// User + system CPU time of process `pid` so far, µs: fields 14 and 15 of
+/// `/proc/PID/stat`, the same per-process total `getrusage(RUSAGE_SELF)`
+/// gives inside it (threads that exited included), in clock ticks.
+pub fn process_cpu_us(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces; fields count from after its ')'.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3 (state): utime is field 14, stime 15.
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    Some((utime + stime) * 1e6 / clock_ticks())
+}
+
+/// Clock ticks per second (`sysconf(_SC_CLK_TCK)`).
+pub fn clock_ticks() -> f64 {
+    // SAFETY: sysconf with a valid name has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as f64 } else { 100.0 }
+}
