@@ -104,23 +104,48 @@ pub fn check_header(page: u64, buf: &[u8]) -> Result<u64, Mismatch> {
 pub fn verify(page: u64, buf: &[u8]) -> Result<u64, Mismatch> {
     let generation = check_header(page, buf)?;
     let mut rng = SplitMix64(seed(page, generation));
-    let mut off = 16;
-    while off < buf.len() {
-        let want = rng.next().to_le_bytes();
-        let n = (buf.len() - off).min(8);
-        if buf[off..off + n] != want[..n] {
-            let i = (0..n).find(|&i| buf[off + i] != want[i]).unwrap_or(0);
-            return Err(Mismatch::Byte {
+    let body = &buf[16..];
+    let mut words = body.chunks_exact(8);
+    // Whole words compared as u64s (no memcmp call per word); the first
+    // mismatch is located byte by byte below.
+    for (k, w) in (&mut words).enumerate() {
+        let want = rng.next();
+        let got = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        if got != want {
+            return Err(first_diff(
                 page,
                 generation,
-                offset: off + i,
-                want: want[i],
-                got: buf[off + i],
-            });
+                16 + k * 8,
+                w,
+                &want.to_le_bytes(),
+            ));
         }
-        off += 8;
+    }
+    let rest = words.remainder();
+    if !rest.is_empty() {
+        let want = rng.next().to_le_bytes();
+        if rest != &want[..rest.len()] {
+            return Err(first_diff(
+                page,
+                generation,
+                buf.len() - rest.len(),
+                rest,
+                &want,
+            ));
+        }
     }
     Ok(generation)
+}
+
+fn first_diff(page: u64, generation: u64, off: usize, got: &[u8], want: &[u8]) -> Mismatch {
+    let i = (0..got.len()).find(|&i| got[i] != want[i]).unwrap_or(0);
+    Mismatch::Byte {
+        page,
+        generation,
+        offset: off + i,
+        want: want[i],
+        got: got[i],
+    }
 }
 
 /// Write a test file of `len` bytes at generation 0, `page_size` per page.
@@ -153,6 +178,25 @@ mod tests {
             assert!(verify(77, &bad).is_err(), "flip at {off} went unnoticed");
         }
         assert!(matches!(verify(78, &page), Err(Mismatch::WrongPage { .. })));
+    }
+
+    #[test]
+    fn a_mismatch_names_its_byte() {
+        let mut page = vec![0u8; 4096 - 3];
+        fill(9, 2, &mut page);
+        for off in [16, 23, 1000, page.len() - 1] {
+            let mut bad = page.clone();
+            bad[off] ^= 0x40;
+            match verify(9, &bad) {
+                Err(Mismatch::Byte {
+                    offset, got, want, ..
+                }) => {
+                    assert_eq!(offset, off);
+                    assert_eq!(got ^ want, 0x40);
+                }
+                other => panic!("flip at {off}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -74,13 +74,15 @@ fn verify(page: u64, buf: &[u8], c: &mut Counters) {
     }
 }
 
-/// One-sided reads through a [`RemoteReader`]. A run of pages is read one
-/// page after another: the reader has no batched run API yet. `cold` forgets
-/// the page's location before each read, so every read walks its bucket.
+/// One-sided reads through a [`RemoteReader`]. A run of pages is one
+/// `read_run` (its READs batched under one doorbell per round). `cold`
+/// forgets the pages' locations before each op, so every read walks its
+/// bucket.
 pub struct OneSided<C: Connection> {
     pub reader: RemoteReader<C>,
     pub cold: bool,
     buf: Vec<u8>,
+    run_buf: Vec<u8>,
     own: Counters,
 }
 
@@ -90,6 +92,7 @@ impl<C: Connection> OneSided<C> {
             reader,
             cold,
             buf: vec![0u8; PAGE],
+            run_buf: Vec::new(),
             own: Counters::default(),
         }
     }
@@ -97,6 +100,28 @@ impl<C: Connection> OneSided<C> {
 
 impl<C: Connection + Send> Client for OneSided<C> {
     fn op(&mut self, first: u64, run: usize) -> anyhow::Result<()> {
+        if run > 1 {
+            if self.cold {
+                for p in first..first + run as u64 {
+                    self.reader.forget(p);
+                }
+            }
+            self.run_buf.resize(run * PAGE, 0);
+            let outcomes = self.reader.read_run(first, run, &mut self.run_buf)?;
+            for (i, o) in outcomes.iter().enumerate() {
+                let p = first + i as u64;
+                match o {
+                    Outcome::Hit { .. } => {
+                        verify(p, &self.run_buf[i * PAGE..(i + 1) * PAGE], &mut self.own)
+                    }
+                    Outcome::Absent | Outcome::GaveUp => {
+                        self.own.pages += 1;
+                        self.own.fallbacks += 1;
+                    }
+                }
+            }
+            return Ok(());
+        }
         for p in first..first + run as u64 {
             if self.cold {
                 self.reader.forget(p);
