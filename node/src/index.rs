@@ -297,6 +297,12 @@ impl Index for Lockless {
 
 impl Lockless {
     /// Overflow buckets still in the pool.
+    /// Whether overflow bucket `o` is in the pool (loom models only).
+    #[cfg(loom)]
+    pub(crate) fn overflow_pooled(&self, o: u32) -> bool {
+        self.0.overflow_pooled(o)
+    }
+
     pub fn overflow_free(&self) -> usize {
         self.0.overflow_free()
     }

@@ -357,11 +357,11 @@ fn remote_copy_vs_cow_and_reuse() {
     });
 }
 
-/// A copy-on-write of page 3 races the eviction of page 3's current frame,
-/// with a reader looking on. Whatever the order, the reader sees page 3's
-/// old or new bytes, whole, or a miss; afterwards page 3 is indexed with the
-/// new bytes (an eviction of the replaced frame finds it gone), and the old
-/// frame is free.
+/// A copy-on-write of page 3 races the eviction of page 3's current frame
+/// (a reader racing a copy-on-write is `cow_publish_vs_reader`). Whatever the
+/// order, page 3 ends indexed with the new bytes (an eviction of the
+/// replaced frame finds it gone; a copy-on-write after an eviction inserts),
+/// and the old frame is free.
 #[test]
 fn cow_vs_evict_same_page() {
     builder().check(|| {
@@ -375,23 +375,11 @@ fn cow_vs_evict_same_page() {
                 let _ = c.remove_frame(3, f, generation);
             })
         };
-        let reader = {
-            let c = Arc::clone(&c);
-            thread::spawn(move || {
-                let mut retries = 0;
-                if let Some(g) = c.lookup(3, &mut retries) {
-                    let tag = read_tag(&c, g);
-                    assert!(tag == 0x30 || tag == 0x31, "tag {tag:#x}");
-                    c.frames.put(g);
-                }
-            })
-        };
         let n = c.frames.alloc().expect("second frame");
         // SAFETY: `alloc` gave us the frame exclusively.
         unsafe { c.frames.region().fill(n, |b| b.fill(0x31)) };
         c.publish_cow(3, n, PS as u32).unwrap();
         evictor.join().unwrap();
-        reader.join().unwrap();
         let mut retries = 0;
         let g = c.lookup(3, &mut retries).expect("the write's copy stays");
         assert_eq!(read_tag(&c, g), 0x31);
@@ -421,6 +409,10 @@ fn insert_vs_unlink_one_chain() {
             c.frames.put(f);
         }
         let pool_before = c.index.overflow_free();
+        let head = &c.frames.region().buckets()[0];
+        let first_overflow =
+            crate::layout::ctrl::next(head.ctrl.load(crate::sync::Ordering::Relaxed))
+                .expect("the fourth page overflowed");
         let (last, newcomer) = (chain[3], chain[4]);
         let reader = {
             let c = Arc::clone(&c);
@@ -452,18 +444,37 @@ fn insert_vs_unlink_one_chain() {
         if evicted {
             assert!(c.lookup(last, &mut retries).is_none(), "evicted page found");
         }
-        // Once no thread is pinned, the epoch can move on and every unlinked
-        // bucket returns to the pool.
+        // Once no thread is pinned, the epoch can move on and the unlinked
+        // bucket can return to the pool. Whether crossbeam has collected it
+        // by now depends on the interleaving; it must never be lost or
+        // doubled, and it must come back in some explored execution.
         for _ in 0..4 {
             crossbeam_epoch::pin().flush();
         }
-        // Either the newcomer joined the last page's bucket (which then
-        // stayed linked), or that bucket was unlinked, recycled, and the
-        // newcomer took one from the pool: one bucket in use either way.
-        assert_eq!(
-            c.index.overflow_free(),
-            pool_before,
-            "an unlinked overflow bucket never came back to the pool"
+        let free = c.index.overflow_free();
+        // One bucket is in use at the end; at most the unlinked one can still
+        // be waiting for its grace period.
+        assert!(
+            free == pool_before || (evicted && free + 1 == pool_before),
+            "pool {free}, before {pool_before}"
         );
+        if c.index.overflow_pooled(first_overflow) {
+            RECYCLED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     });
+    let (recycled, runs) = (
+        RECYCLED.load(std::sync::atomic::Ordering::Relaxed),
+        RUNS.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    println!(
+        "insert_vs_unlink_one_chain: the unlinked bucket was back in the pool in {recycled} of {runs} executions"
+    );
+    assert!(
+        recycled > 0,
+        "no explored execution recycled the unlinked bucket"
+    );
 }
+
+static RECYCLED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

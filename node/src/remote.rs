@@ -114,6 +114,11 @@ pub enum RemoteError {
     BeyondEnd { page: u64, pages: u64 },
     #[error("buffer of {got} bytes for a page of {need}")]
     BufferSize { need: usize, got: usize },
+    /// The reader's map lease ran out (see [`RemoteReader::trust_until`]):
+    /// confirm the map is current (and the descriptors with it), renew, and
+    /// retry.
+    #[error("the reader's map lease ran out {0:?} ago: refresh the map and renew")]
+    LeaseExpired(std::time::Duration),
 }
 
 /// Counters of one reader.
@@ -148,6 +153,9 @@ pub struct RemoteReader<C: Connection> {
     /// The client-side index cache: page → (frame, generation).
     locations: HashMap<u64, (u32, u64)>,
     stats: ReaderStats,
+    /// Until when the map that named this owner may be trusted (None: the
+    /// caller bounds it itself, as the node daemon does with its own lease).
+    trust_until: Option<std::time::Instant>,
     header: [u8; LINE],
     bucket: [u8; LINE],
 }
@@ -183,6 +191,7 @@ impl<C: Connection> RemoteReader<C> {
             cfg,
             locations: HashMap::new(),
             stats: ReaderStats::default(),
+            trust_until: None,
             header: [0; LINE],
             bucket: [0; LINE],
         })
@@ -191,6 +200,34 @@ impl<C: Connection> RemoteReader<C> {
     /// The owner's superblock as read at connect.
     pub fn superblock(&self) -> &Superblock {
         &self.sb
+    }
+
+    /// Trust the map that named this owner (and its descriptor) only until
+    /// `until`: a read that starts or ends later fails with
+    /// [`RemoteError::LeaseExpired`], and its bytes are not returned. One-
+    /// sided reads bypass the owner's CPU, so an owner that lost its extents
+    /// while frozen or cut off cannot refuse them; a reader that stops
+    /// trusting its map one lease after it last confirmed it (less a drift
+    /// margin) never reads an extent a new owner may already write (new
+    /// owners fence writes for a lease plus the margin). Call it again each
+    /// time the map is confirmed current (a `WatchMap` message, a
+    /// heartbeat reply).
+    pub fn trust_until(&mut self, until: std::time::Instant) {
+        self.trust_until = Some(until);
+    }
+
+    fn check_lease(&self) -> Result<(), RemoteError> {
+        match self.trust_until {
+            Some(t) => {
+                let now = std::time::Instant::now();
+                if now > t {
+                    Err(RemoteError::LeaseExpired(now - t))
+                } else {
+                    Ok(())
+                }
+            }
+            None => Ok(()),
+        }
     }
 
     /// This reader's counters.
@@ -228,8 +265,12 @@ impl<C: Connection> RemoteReader<C> {
                 got: out.len(),
             });
         }
+        self.check_lease()?;
         self.stats.reads += 1;
-        self.read_one(page, &mut out[..ps])
+        let o = self.read_one(page, &mut out[..ps])?;
+        // The bytes are good only if the map still was when they arrived.
+        self.check_lease()?;
+        Ok(o)
     }
 
     /// [`RemoteReader::read_page`] after its checks, not counted in `reads`.
@@ -308,6 +349,7 @@ impl<C: Connection> RemoteReader<C> {
                 got: out.len(),
             });
         }
+        self.check_lease()?;
         self.stats.reads += n as u64;
         let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
         // Round 1: the pages whose location is cached.
@@ -398,6 +440,7 @@ impl<C: Connection> RemoteReader<C> {
             };
             result.push(o);
         }
+        self.check_lease()?;
         Ok(result)
     }
 

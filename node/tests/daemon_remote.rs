@@ -302,6 +302,18 @@ fn a_node_serves_its_region_one_sidedly_over_shm_and_tcp() {
         }
     }
 
+    // A reader whose map lease ran out refuses to read; renewed, it reads.
+    rt_tcp.trust_until(Instant::now() - Duration::from_millis(1));
+    assert!(matches!(
+        rt_tcp.read_page(3, &mut buf),
+        Err(RemoteError::LeaseExpired(_))
+    ));
+    rt_tcp.trust_until(Instant::now() + Duration::from_secs(60));
+    assert!(matches!(
+        rt_tcp.read_page(3, &mut buf),
+        Ok(Outcome::Hit { .. })
+    ));
+
     // A wrong rkey or epoch is refused by the transport, cleanly.
     let mut bad = desc(&tcp);
     bad.epoch ^= 2;

@@ -218,6 +218,12 @@ impl FreeList {
         crate::sync::lock(&self.q).push(i);
     }
 
+    /// Whether index `i` is on the list (loom models only).
+    #[cfg(loom)]
+    pub(crate) fn contains(&self, i: u32) -> bool {
+        crate::sync::lock(&self.q).contains(&i)
+    }
+
     pub(crate) fn len(&self) -> usize {
         #[cfg(not(loom))]
         return self.q.len();

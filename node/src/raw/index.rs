@@ -578,6 +578,12 @@ impl RawIndex {
         }
     }
 
+    /// Whether overflow bucket `o` is in the pool (loom models only).
+    #[cfg(loom)]
+    pub(crate) fn overflow_pooled(&self, o: u32) -> bool {
+        self.pool.contains(o)
+    }
+
     /// Overflow buckets in the pool (for tests and stats).
     pub(crate) fn overflow_free(&self) -> usize {
         self.pool.len()
