@@ -35,8 +35,18 @@ say() { echo "softroce: $*" >&2; }
 
 # 1. The test binaries.
 test_binary() { # PACKAGE TEST: builds it with the verbs feature, prints its path
+    # The test target's own artifact: building it also builds the package's
+    # binaries (for CARGO_BIN_EXE_*), whose artifacts carry executables too.
     cargo test -p "$1" --features verbs --test "$2" --no-run --message-format=json 2>/dev/null \
-        | grep -o '"executable":"[^"]*"' | tail -n1 | sed 's/"executable":"//; s/"$//'
+        | python3 -c '
+import json, sys
+name = sys.argv[1]
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") == name and "test" in t.get("kind", []):
+        print(m["executable"])
+' "$2" | tail -n1
 }
 say "building the verbs conformance tests and the node's remote-read test"
 bin=$(test_binary pagewire-rdma verbs)
