@@ -19,7 +19,11 @@
 //!   after KVM's halt polling): it starts at the configured spin; a wait
 //!   that ended by blocking longer than that halves it (traffic too sparse
 //!   for spinning to pay), down to zero; a blocking wait shorter than the
-//!   configured spin doubles it again (from an eighth of it).
+//!   configured spin, or a spin that caught its message, doubles it again
+//!   (from an eighth of it). A closed window is probed every 64 waits with
+//!   an eighth of the spin: a blocking wait pays the wake-up itself, which
+//!   here costs more than the spin, so without probes a window closed by an
+//!   idle spell would never reopen under dense traffic.
 //! * **Preemption.** A spin during which the thread was involuntarily
 //!   switched out (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` grew) means the
 //!   cores are oversubscribed: no spinning for the next 16 waits; the next
@@ -120,6 +124,10 @@ impl Drop for SpinSlot<'_> {
 const PURE_SPINS: u32 = 16;
 /// Waits without spinning after the first preemption during a spin.
 const COOLDOWN_START: u32 = 16;
+/// A closed window is reopened (to an eighth of the configured spin) once
+/// every this many waits.
+const PROBE_EVERY: u32 = 64;
+
 /// Longest cooldown, in waits.
 const COOLDOWN_MAX: u32 = 4096;
 
@@ -150,6 +158,9 @@ pub(crate) struct AdaptiveSpin {
     window: Duration,
     /// Waits left that must not spin (after a preemption).
     cooldown: u32,
+    /// Waits since the window closed; every [`PROBE_EVERY`]th reopens it
+    /// to an eighth of `max` (a probe).
+    closed_waits: u32,
     /// The next cooldown's length.
     next_cooldown: u32,
 }
@@ -187,6 +198,7 @@ impl AdaptiveSpin {
             max,
             window: max,
             cooldown: 0,
+            closed_waits: 0,
             next_cooldown: COOLDOWN_START,
         }
     }
@@ -195,7 +207,17 @@ impl AdaptiveSpin {
     /// after a preemption, or the budget full).
     pub(crate) fn begin(&mut self) -> Option<Episode> {
         if self.window.is_zero() {
-            return None;
+            // A closed window cannot learn that traffic became dense again:
+            // every blocking wait costs a wake-up (tens of µs here, more than
+            // a typical window), so it would stay closed for good. Probe now
+            // and then with a small window; a spin that catches its message
+            // widens it (`end`).
+            self.closed_waits += 1;
+            if self.max.is_zero() || self.closed_waits < PROBE_EVERY {
+                return None;
+            }
+            self.closed_waits = 0;
+            self.window = self.max / 8;
         }
         if self.cooldown > 0 {
             self.cooldown -= 1;
@@ -223,6 +245,8 @@ impl AdaptiveSpin {
             );
         } else if got {
             self.next_cooldown = (self.next_cooldown / 2).max(COOLDOWN_START);
+            // Caught within the window: traffic is dense enough to spin for.
+            self.window = (self.window * 2).min(self.max);
         }
     }
 
@@ -278,6 +302,22 @@ mod tests {
         }
         assert_eq!(a.window, Duration::ZERO, "sparse traffic stops spinning");
         assert!(a.begin().is_none());
+        // Dense traffic again, but every blocking wait costs a wake-up longer
+        // than the window: a probe reopens it, and a caught spin widens it.
+        for _ in 1..PROBE_EVERY - 1 {
+            assert!(a.begin().is_none(), "closed between probes");
+        }
+        let probe = a.begin().expect("a probe after PROBE_EVERY waits");
+        a.end(probe, true);
+        assert_eq!(
+            a.window,
+            max / 4,
+            "a probe that caught its message widens the window"
+        );
+        for _ in 0..10 {
+            a.blocked(Duration::from_millis(5));
+        }
+        assert_eq!(a.window, Duration::ZERO);
         a.blocked(Duration::from_micros(20));
         assert_eq!(a.window, max / 8, "short blocking waits bring it back");
         for _ in 0..5 {
