@@ -156,8 +156,6 @@ pub struct RemoteReader<C: Connection> {
     /// Until when the map that named this owner may be trusted (None: the
     /// caller bounds it itself, as the node daemon does with its own lease).
     trust_until: Option<std::time::Instant>,
-    header: [u8; LINE],
-    bucket: [u8; LINE],
 }
 
 impl<C: Connection> RemoteReader<C> {
@@ -192,8 +190,6 @@ impl<C: Connection> RemoteReader<C> {
             locations: HashMap::new(),
             stats: ReaderStats::default(),
             trust_until: None,
-            header: [0; LINE],
-            bucket: [0; LINE],
         })
     }
 
@@ -527,7 +523,7 @@ impl<C: Connection> RemoteReader<C> {
         if frame as usize >= l.frame_count {
             return Ok(None);
         }
-        let mut header = self.header;
+        let mut header = [0u8; LINE];
         read_all(
             &mut self.conn,
             self.desc,
@@ -552,7 +548,7 @@ impl<C: Connection> RemoteReader<C> {
         let l = self.sb.layout;
         let key = crate::layout::key_of(page);
         let head_off = l.bucket(crate::layout::bucket_of(page, l.bucket_count as u64) as usize);
-        let mut buf = self.bucket;
+        let mut buf = [0u8; LINE];
         self.read_line(head_off, &mut buf, trips)?;
         let head = RawBucket::decode(&buf).expect("64 bytes");
         if head.ctrl & crate::layout::ctrl::LOCKED != 0 {

@@ -412,13 +412,10 @@ impl RawIndex {
         generation: u64,
         link: Link,
     ) -> Insert {
-        for _ in 0..4 {
-            match self.insert_once(frames, page, frame, generation, link) {
-                Insert::Full => self.replenish(),
-                done => return done,
-            }
-        }
-        self.insert_once(frames, page, frame, generation, link)
+        self.with_room(
+            || self.insert_once(frames, page, frame, generation, link),
+            |r| matches!(r, Insert::Full),
+        )
     }
 
     fn insert_once(
@@ -450,13 +447,10 @@ impl RawIndex {
         frame: u32,
         generation: u64,
     ) -> Result<Option<u64>, ()> {
-        for _ in 0..4 {
-            match self.replace_once(frames, page, frame, generation) {
-                Err(()) => self.replenish(),
-                done => return done,
-            }
-        }
-        self.replace_once(frames, page, frame, generation)
+        self.with_room(
+            || self.replace_once(frames, page, frame, generation),
+            Result::is_err,
+        )
     }
 
     fn replace_once(
@@ -562,6 +556,20 @@ impl RawIndex {
             }
             _ => locked.ctrl = ctrl::with_next(locked.ctrl, after),
         }
+    }
+
+    /// Run `op` (which takes and releases the chain lock) until `full` says
+    /// it did not find the overflow pool empty, replenishing the pool between
+    /// tries: four tries, then a last one whose outcome stands.
+    fn with_room<T>(&self, mut op: impl FnMut() -> T, full: impl Fn(&T) -> bool) -> T {
+        for _ in 0..4 {
+            let r = op();
+            if !full(&r) {
+                return r;
+            }
+            self.replenish();
+        }
+        op()
     }
 
     /// The pool ran dry: help crossbeam-epoch collect deferred buckets (no
