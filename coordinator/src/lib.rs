@@ -11,6 +11,7 @@
 //! It depends on `pagewire-proto` only: never on the node, the transports or
 //! the bench. The `pwctl` admin CLI lives here too (`src/bin/pwctl.rs`).
 
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod metrics;

@@ -34,6 +34,8 @@ mod backing;
 #[cfg(not(loom))]
 mod cache;
 mod core;
+#[cfg(not(loom))]
+pub mod daemon;
 pub mod error;
 #[cfg(not(loom))]
 mod flight;

@@ -55,7 +55,7 @@ fn request<T>(msg: T) -> tonic::Request<T> {
 
 /// The NUMA layout as the cache crate discovered it.
 pub(crate) fn topology() -> Topology {
-    let t = pagewire_node::numa::discover();
+    let t = crate::numa::discover();
     Topology {
         numa_nodes: t
             .nodes

@@ -108,7 +108,7 @@ impl Default for Config {
 
 impl Default for CacheSection {
     fn default() -> Self {
-        let d = pagewire_node::CacheConfig::default();
+        let d = crate::CacheConfig::default();
         Self {
             page_size: d.page_size,
             frames: d.frames,
@@ -143,11 +143,11 @@ impl Config {
         })
     }
 
-    pub(crate) fn cache_config(&self) -> pagewire_node::CacheConfig {
+    pub(crate) fn cache_config(&self) -> crate::CacheConfig {
         let c = &self.cache;
         // Fields the cache gains later keep their defaults.
         #[allow(clippy::needless_update)]
-        pagewire_node::CacheConfig {
+        crate::CacheConfig {
             page_size: c.page_size,
             frames: c.frames,
             direct_io: c.direct_io,

@@ -17,7 +17,7 @@ pub(crate) enum DaemonError {
     #[error("invalid setting `{key}`: {reason}")]
     Config { key: &'static str, reason: String },
     #[error("cannot open the cache: {0}")]
-    Open(#[from] pagewire_node::OpenError),
+    Open(#[from] crate::OpenError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: String,
@@ -53,9 +53,9 @@ pub(crate) enum DaemonError {
     )]
     WritesFenced { extent: usize, wait_ms: u64 },
     #[error(transparent)]
-    Read(#[from] pagewire_node::ReadError),
+    Read(#[from] crate::ReadError),
     #[error(transparent)]
-    Write(#[from] pagewire_node::WriteError),
+    Write(#[from] crate::WriteError),
     #[error("the owner of page {page} cannot be read now: {reason}; retry")]
     OwnerUnavailable { page: u64, reason: String },
     #[error("internal: {0}")]
@@ -64,7 +64,7 @@ pub(crate) enum DaemonError {
 
 impl From<DaemonError> for tonic::Status {
     fn from(e: DaemonError) -> Self {
-        use pagewire_node::{ReadError, WriteError};
+        use crate::{ReadError, WriteError};
         let msg = e.to_string();
         match &e {
             DaemonError::InvalidArgument(_)

@@ -1,13 +1,15 @@
 //! The node daemon: registers with the coordinator, renews its lease, follows
 //! the ownership map (taking new extents, dropping the ones it no longer owns
 //! nor hands off), serves the `pagewire.v1.Node` gRPC service from the local
-//! [`pagewire_node::PageCache`], applies the pushed eviction watermarks, and
+//! [`crate::PageCache`], applies the pushed eviction watermarks, and
 //! serves Prometheus `/metrics`.
 //!
-//! It lives beside the library (in the binary's module tree) so that the
-//! cache crate itself never needs tokio or tonic.
+//! The `pagewire-node` binary is [`cli::main_from`]; the bench's one-binary
+//! demo runs nodes through the same function. Under `--cfg loom` the module
+//! is not built (tokio is not modelled).
 
 mod agent;
+pub mod cli;
 pub(crate) mod config;
 mod error;
 mod lease;
@@ -22,7 +24,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use pagewire_node::PageCache;
+use crate::PageCache;
 use pagewire_proto::auth::{AttachToken, TokenCheck};
 use pagewire_proto::net::{ClientTls, ServerTls};
 use pagewire_proto::v1::node_server::NodeServer;
@@ -386,7 +388,7 @@ pub(crate) async fn run(
 mod tests {
     use std::sync::atomic::Ordering;
 
-    use pagewire_node::{CacheConfig, PageCache};
+    use crate::{CacheConfig, PageCache};
     use pagewire_proto::v1::OwnershipMap;
 
     use super::{Config, Node};

@@ -1,7 +1,7 @@
 //! Pages of extents another node owns, read from that node one-sidedly.
 //!
 //! A node asked (gRPC `Read`) for a page it does not serve reads it from the
-//! owner's region with the one-sided reader ([`pagewire_node::remote`]):
+//! owner's region with the one-sided reader ([`crate::remote`]):
 //! over `shm` when the owner's shm file is on this host, else over `tcp`;
 //! nothing is cached here. A page the owner's index does not show (or that
 //! keeps moving) is faulted in on the owner with gRPC `FaultIn`, whose reply
@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use pagewire_node::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
+use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{FaultInRequest, MapNode, PageRun, TransportDescriptor};

@@ -23,7 +23,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pagewire_node::PageCache;
+use crate::PageCache;
 use pagewire_proto::v1::TransportDescriptor;
 use pagewire_rdma::shm::ShmOwner;
 use pagewire_rdma::tcp::{ResponderConfig, TcpRegion, TcpResponder};
@@ -82,10 +82,8 @@ pub(crate) fn open(
     let t = &cfg.transports;
     let epoch = new_epoch()?;
     let cache_cfg = cfg.cache_config();
-    let len = PageCache::<pagewire_node::index::Lockless>::region_len(
-        cache_cfg.page_size,
-        cache_cfg.frames,
-    );
+    let len =
+        PageCache::<crate::index::Lockless>::region_len(cache_cfg.page_size, cache_cfg.frames);
     let mut shm = None;
     let shared: Option<Box<dyn LocalRegion>> = if t.shm {
         let name = shm_name(node_id);
