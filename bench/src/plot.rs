@@ -8,8 +8,8 @@
 //! - [`latency_cdf`]: read latency distributions on a tail scale.
 //!
 //! Every figure is drawn by one function generic over the plotters backend,
-//! once into the SVG backend and once into an RGB buffer that `png`
-//! encodes. Text in the PNG is rasterised by `ab_glyph` from DejaVu Sans,
+//! once into the SVG backend and once into an RGB buffer (`raster`) that
+//! `png` encodes. Text in the PNG is rasterised by `ab_glyph` from DejaVu Sans,
 //! embedded in the binary by the `dejavu` crate (Bitstream Vera licence,
 //! DejaVu changes public domain: free to use and redistribute), so a fresh
 //! machine needs no system fonts, fontconfig or C library. The SVG names
@@ -21,6 +21,7 @@
 // once it does.
 #[allow(dead_code, reason = "called by the storm bench, being written")]
 mod cdf;
+mod raster;
 mod scaling;
 mod style;
 #[allow(dead_code, reason = "called by the storm bench, being written")]
@@ -92,7 +93,7 @@ fn write(dir: &Path, name: &str, fig: &impl Figure) -> anyhow::Result<Vec<PathBu
     let png_path = dir.join(format!("{name}.png"));
     let mut rgb = vec![0u8; w as usize * h as usize * 3];
     {
-        let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
+        let root = raster::Raster(BitMapBackend::with_buffer(&mut rgb, (w, h))).into_drawing_area();
         root.fill(&WHITE)?;
         fig.draw(&root)
             .with_context(|| format!("drawing {}", png_path.display()))?;
