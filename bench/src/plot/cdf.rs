@@ -177,7 +177,7 @@ impl Figure for Cdf {
             .build_cartesian_2d(
                 (self.x.0..self.x.1)
                     .log_scale()
-                    .with_key_points(style::ticks_125(self.x.0, self.x.1)),
+                    .with_key_points(style::ticks_125(self.x.0, self.x.1, 16)),
                 style::TickedAxis {
                     lo: 0.0,
                     hi: self.y_hi,

@@ -394,8 +394,9 @@ impl Ranged for TickedAxis {
 }
 
 /// Key points of a log axis over `lo..hi`: 1, 2, 5 times powers of ten;
-/// every integer mantissa where that gives fewer than three.
-pub(crate) fn ticks_125(lo: f64, hi: f64) -> Vec<f64> {
+/// powers of ten alone where that gives more than `most`; every integer
+/// mantissa where it gives fewer than three.
+pub(crate) fn ticks_125(lo: f64, hi: f64, most: usize) -> Vec<f64> {
     let pick = |mantissas: &[f64]| -> Vec<f64> {
         if !(lo > 0.0 && hi >= lo && hi.is_finite()) {
             return vec![];
@@ -407,7 +408,7 @@ pub(crate) fn ticks_125(lo: f64, hi: f64) -> Vec<f64> {
             .collect()
     };
     let t = pick(&[1.0, 2.0, 5.0]);
-    if t.len() > 10 {
+    if t.len() > most {
         // Many decades: powers of ten only.
         pick(&[1.0])
     } else if t.len() >= 3 {
@@ -511,9 +512,13 @@ mod tests {
 
     #[test]
     fn ticks_are_1_2_5() {
-        assert_eq!(ticks_125(0.8, 60.0), vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0]);
-        assert_eq!(ticks_125(3.0, 4.0), vec![3.0, 4.0]);
-        assert!(ticks_125(0.0, 1.0).is_empty());
+        assert_eq!(
+            ticks_125(0.8, 60.0, 9),
+            vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
+        );
+        assert_eq!(ticks_125(1.0, 1e4, 9), vec![1.0, 10.0, 100.0, 1e3, 1e4]);
+        assert_eq!(ticks_125(3.0, 4.0, 9), vec![3.0, 4.0]);
+        assert!(ticks_125(0.0, 1.0, 9).is_empty());
         assert_eq!(floor_125(3.7e6), 2e6);
         assert_eq!(ceil_125(3.7e6), 5e6);
         assert_eq!(ceil_125(6e6), 1e7);

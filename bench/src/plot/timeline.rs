@@ -1,8 +1,10 @@
 //! A storm's throughput over time: one line per series, each fault event a
-//! dashed vertical line whose label sits in a band above the chart. Labels
-//! that would touch are staggered into lanes; when more than
-//! `MAX_LANES` lanes would be needed the labels become numbers and a key
-//! under the legend spells them out.
+//! dashed vertical line whose label sits in a band above the chart, joined
+//! to its line. Labels go right or left of their line and up into further
+//! lanes so that none touches another and, where it can be helped, no
+//! event's line runs through another's label ([`place_labels`]). When more
+//! than `MAX_LANES` lanes would be needed, the labels become numbers and a
+//! key under the legend spells them out.
 
 use super::style::{self, Entry};
 use super::{Figure, header, header_height};
@@ -55,22 +57,78 @@ const MAX_NUMBER_LANES: usize = 8;
 /// Least room between two labels in one lane, in pixels.
 const GAP: i32 = 12;
 
-/// The lane of each label, given each label's horizontal span in pixels,
-/// sorted by start: the first lane where it clears the one before by `GAP`.
-pub(crate) fn stagger(spans: &[(i32, i32)]) -> Vec<usize> {
-    let mut ends: Vec<i32> = Vec::new();
-    spans
-        .iter()
-        .map(|&(x0, x1)| match ends.iter().position(|&e| e + GAP <= x0) {
-            Some(l) => {
-                ends[l] = x1;
-                l
+/// Room between a line and its label, in pixels.
+const PAD: i32 = 4;
+
+/// Two labels' spans, each with whether it hangs left of its line, are far
+/// enough apart for one lane: `GAP` between them, or nothing when they
+/// hang back to back from their lines (the lines are between them then).
+fn apart((a, a_left): ((i32, i32), bool), (b, b_left): ((i32, i32), bool)) -> bool {
+    if a.1 <= b.0 {
+        a.1 + if a_left && !b_left { 0 } else { GAP } <= b.0
+    } else if b.1 <= a.0 {
+        b.1 + if b_left && !a_left { 0 } else { GAP } <= a.0
+    } else {
+        false
+    }
+}
+
+/// Where each event's label goes: (lane, left of its line?), for events at
+/// pixel `xs` (sorted) with labels `widths` wide, inside `0..right_edge`.
+///
+/// Labels are placed from the rightmost event leftwards. Each takes the
+/// lowest lane and side (right first) where it keeps `GAP` from the labels
+/// of that lane and is "clean": its line, rising through the lower lanes,
+/// crosses no label there, and no other event's line rises through it (the
+/// lines of events already placed lower may). A cluster of events so
+/// becomes a staircase, and a close pair shares a lane back to back. With
+/// no clean place it takes the lowest lane where it fits; the crossing line
+/// then passes behind the label's white box.
+pub(crate) fn place_labels(xs: &[i32], widths: &[i32], right_edge: i32) -> Vec<(usize, bool)> {
+    let n = xs.len().min(widths.len());
+    /// (lane, hangs left, span) of a placed label.
+    type Slot = (usize, bool, (i32, i32));
+    let mut placed: Vec<Option<Slot>> = vec![None; n];
+    let near = |x: i32, s: (i32, i32)| s.0 < x && x < s.1;
+    for i in (0..n).rev() {
+        let span = |left: bool| {
+            if left {
+                (xs[i] - PAD - widths[i], xs[i])
+            } else {
+                (xs[i], xs[i] + PAD + widths[i])
             }
-            None => {
-                ends.push(x1);
-                ends.len() - 1
-            }
-        })
+        };
+        let fits = |lane: usize, left: bool, s: (i32, i32)| {
+            placed
+                .iter()
+                .flatten()
+                .all(|&(l, o_left, o)| l != lane || apart((o, o_left), (s, left)))
+        };
+        let clean = |lane: usize, s: (i32, i32)| {
+            placed
+                .iter()
+                .flatten()
+                .all(|&(l, _, o)| l >= lane || !near(xs[i], o))
+                && (0..n)
+                    .filter(|&j| j != i)
+                    .all(|j| !near(xs[j], s) || matches!(placed[j], Some((l, _, _)) if l < lane))
+        };
+        let inside = |s: (i32, i32)| s.0 >= 0 && s.1 <= right_edge;
+        let lanes = placed.iter().flatten().map(|p| p.0 + 1).max().unwrap_or(0);
+        let candidates = || (0..=lanes).flat_map(|l| [(l, false), (l, true)]);
+        let pick = candidates()
+            .find(|&(l, left)| {
+                inside(span(left)) && fits(l, left, span(left)) && clean(l, span(left))
+            })
+            .or_else(|| {
+                candidates().find(|&(l, left)| inside(span(left)) && fits(l, left, span(left)))
+            })
+            .unwrap_or((lanes, false));
+        placed[i] = Some((pick.0, pick.1, span(pick.1)));
+    }
+    placed
+        .into_iter()
+        .map(|p| p.map(|(l, left, _)| (l, left)).unwrap_or((0, false)))
         .collect()
 }
 
@@ -138,36 +196,23 @@ impl Timeline {
         // Where the plot area will be, as ChartBuilder lays it out below.
         let (px0, px1) = (MARGIN + Y_LABELS, WIDTH as i32 - MARGIN_RIGHT);
         let to_px = |t: f64| px0 + ((t - t0) / (t1 - t0) * (px1 - px0) as f64).round() as i32;
+        let xs: Vec<i32> = events.iter().map(|e| to_px(e.at_s)).collect();
         let place = |texts: &[String]| -> anyhow::Result<(Vec<Placed>, usize)> {
-            let mut spans = Vec::new();
-            let mut left = Vec::new();
-            for (e, s) in events.iter().zip(texts) {
-                let w = style::text_size(s, style::NOTE)?.0 as i32;
-                let x = to_px(e.at_s);
-                let l = x + 4 + w > px1 + MARGIN_RIGHT;
-                spans.push(if l { (x - 4 - w, x) } else { (x, x + 4 + w) });
-                left.push(l);
-            }
-            // `stagger` wants spans sorted by start; left-hung labels start
-            // earlier than their event.
-            let mut order: Vec<usize> = (0..spans.len()).collect();
-            order.sort_by_key(|&i| spans[i].0);
-            let sorted: Vec<(i32, i32)> = order.iter().map(|&i| spans[i]).collect();
-            let lanes_sorted = stagger(&sorted);
-            let mut lanes = vec![0; spans.len()];
-            for (k, &i) in order.iter().enumerate() {
-                lanes[i] = lanes_sorted[k];
-            }
-            let n = lanes.iter().map(|l| l + 1).max().unwrap_or(0);
+            let widths: Vec<i32> = texts
+                .iter()
+                .map(|t| Ok(style::text_size(t, style::NOTE)?.0 as i32))
+                .collect::<anyhow::Result<_>>()?;
+            let at = place_labels(&xs, &widths, WIDTH as i32 - 4);
+            let n = at.iter().map(|a| a.0 + 1).max().unwrap_or(0);
             let placed = events
                 .iter()
                 .zip(texts)
-                .enumerate()
-                .map(|(i, (e, s))| Placed {
+                .zip(at)
+                .map(|((e, s), (lane, left))| Placed {
                     at_s: e.at_s,
                     text: s.clone(),
-                    lane: lanes[i],
-                    left: left[i],
+                    lane,
+                    left,
                 })
                 .collect();
             Ok((placed, n))
@@ -299,6 +344,7 @@ impl Figure for Timeline {
         // Events under the data, so lines cross them.
         let screen = root.use_screen_coord();
         let band_bottom = band.get_base_pixel().1 + self.band_h() as i32;
+        let lane_y = |lane: usize| band_bottom - 4 - lane as i32 * LANE_H - LANE_H / 2;
         for p in &self.labels {
             style::line(
                 &mut chart,
@@ -308,22 +354,28 @@ impl Figure for Timeline {
                 true,
             )?;
             let (x, top) = chart.backend_coord(&(p.at_s, self.y_hi));
-            // Lane 0 sits next to the chart; higher lanes above it.
-            let y = band_bottom - 4 - p.lane as i32 * LANE_H - LANE_H / 2;
             screen.draw(&PathElement::new(
-                vec![(x, y), (x, top)],
+                vec![(x, lane_y(p.lane)), (x, top)],
                 style::DARK.stroke_width(1),
             ))?;
+        }
+        // Labels over every line: where a line must cross a label, it
+        // passes behind the label's box.
+        for p in &self.labels {
+            let (x, _) = chart.backend_coord(&(p.at_s, self.y_hi));
             let (at, h) = if p.left {
-                ((x - 4, y), HPos::Right)
+                ((x - PAD, lane_y(p.lane)), HPos::Right)
             } else {
-                ((x + 4, y), HPos::Left)
+                ((x + PAD, lane_y(p.lane)), HPos::Left)
             };
-            screen.draw(&Text::new(
-                p.text.clone(),
+            style::boxed_text(
+                &screen,
+                &p.text,
                 at,
-                style::text(style::NOTE).pos(Pos::new(h, VPos::Center)),
-            ))?;
+                Pos::new(h, VPos::Center),
+                style::NOTE,
+                &BLACK,
+            )?;
         }
 
         for (i, (_, pts)) in self.series.iter().enumerate() {
@@ -419,12 +471,53 @@ mod tests {
         (series, events)
     }
 
+    /// Labels that overlap in a lane, and lines that cross labels.
+    fn faults(xs: &[i32], widths: &[i32], at: &[(usize, bool)]) -> (usize, usize) {
+        let span = |i: usize| {
+            if at[i].1 {
+                (xs[i] - PAD - widths[i], xs[i])
+            } else {
+                (xs[i], xs[i] + PAD + widths[i])
+            }
+        };
+        let (mut overlaps, mut crossings) = (0, 0);
+        for i in 0..xs.len() {
+            for j in 0..xs.len() {
+                let (a, b) = (span(i), span(j));
+                if i < j && at[i].0 == at[j].0 && !apart((a, at[i].1), (b, at[j].1)) {
+                    overlaps += 1;
+                }
+                // j's line rises through lanes below its own.
+                if i != j && at[i].0 < at[j].0 && a.0 < xs[j] && xs[j] < a.1 {
+                    crossings += 1;
+                }
+            }
+        }
+        (overlaps, crossings)
+    }
+
     #[test]
-    fn stagger_separates_close_labels() {
-        assert_eq!(stagger(&[(0, 50), (100, 150), (200, 250)]), vec![0, 0, 0]);
-        assert_eq!(stagger(&[(0, 50), (40, 90), (70, 110)]), vec![0, 1, 0]);
-        assert_eq!(stagger(&[(0, 100), (10, 20), (20, 30)]), vec![0, 1, 2]);
-        assert!(stagger(&[]).is_empty());
+    fn labels_take_sides_and_lanes_without_crossing() {
+        // Far apart: one lane, all to the right.
+        let far = place_labels(&[100, 400, 700], &[100, 100, 100], 1400);
+        assert_eq!(far, vec![(0, false); 3]);
+        // Two close (kill, restart): one lane, the first hung left.
+        let two = place_labels(&[500, 520], &[100, 100], 1400);
+        assert_eq!(two, vec![(0, true), (0, false)]);
+        // Three and more close: lanes, and no line through a label.
+        for xs in [
+            vec![500, 510, 520],
+            vec![500, 505, 510, 515, 520],
+            vec![100, 150, 180, 600, 640, 1350],
+            vec![300, 300, 300, 420],
+        ] {
+            let w = vec![110; xs.len()];
+            let at = place_labels(&xs, &w, 1400);
+            assert_eq!(faults(&xs, &w, &at), (0, 0), "{xs:?} -> {at:?}");
+        }
+        // At the right edge: hung left.
+        assert_eq!(place_labels(&[1350], &[120], 1400), vec![(0, true)]);
+        assert!(place_labels(&[], &[], 1400).is_empty());
     }
 
     #[test]
@@ -443,9 +536,15 @@ mod tests {
         super::super::fonts().expect("fonts");
         let (s, e) = storm();
         let t = Timeline::new("x", &s, &e).expect("layout");
-        let lane = |l: &str| t.labels.iter().find(|p| p.text == l).expect(l).lane;
-        assert_ne!(lane("kill node-2"), lane("restart node-2"));
-        assert_ne!(lane("pause node-1"), lane("resume node-1"));
+        let at = |l: &str| {
+            let p = t.labels.iter().find(|p| p.text == l).expect(l);
+            (p.lane, p.left)
+        };
+        // Close pairs share the lane, back to back.
+        assert_eq!(at("kill node-2"), (0, true));
+        assert_eq!(at("restart node-2"), (0, false));
+        assert_eq!(at("pause node-1"), (0, true));
+        assert_eq!(at("resume node-1"), (0, false));
         assert!(t.key.is_empty());
         // The last label hangs left of its line, inside the figure.
         assert!(t.labels.iter().find(|p| p.at_s == 59.5).expect("last").left);
@@ -513,6 +612,29 @@ mod tests {
             "Storm: 4 KiB reads, uniform, node-2 killed",
             &s,
             &e,
+        )
+        .expect("plot");
+        println!("{p:?}");
+        let mut cluster = e.clone();
+        for (t, l) in [
+            (45.0, "pause node-3"),
+            (45.3, "kill node-4"),
+            (45.6, "restart node-4"),
+            (46.0, "resume node-3"),
+            (30.0, "kill node-1"),
+            (30.0, "kill node-3"),
+        ] {
+            cluster.push(Event {
+                at_s: t,
+                label: l.into(),
+            });
+        }
+        let p = throughput_over_time(
+            dir,
+            "storm-cluster",
+            "Storm: clustered events",
+            &s,
+            &cluster,
         )
         .expect("plot");
         println!("{p:?}");
