@@ -9,7 +9,7 @@ pub struct Output {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Folder for the JSON (and, for scaling benches, the SVG plots).
+    /// Folder for the JSON (and, for scaling benches, the plots: SVG and PNG).
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
 }
