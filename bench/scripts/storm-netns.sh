@@ -452,8 +452,10 @@ pwctl() {
     --timeout-ms 1000 "$@"
 }
 
-# One line per node: id state grpc_address extents_owned tcp_endpoint; then
-# "status extents unowned in_handoff alive".
+# One line per node: id state grpc_address extents_owned tcp_endpoint
+# applied_epoch incarnation; then "status extents unowned in_handoff alive
+# epoch". The coordinator zeroes applied_epoch at a registration; only the
+# node's first heartbeat of that incarnation sets it.
 snapshot() {
   local n s
   n=$(pwctl --json nodes 2>/dev/null) || return 1
@@ -462,9 +464,11 @@ snapshot() {
 import json, sys
 for n in json.loads(sys.argv[1]):
     tcp = [t["endpoint"] for t in n["transports"] if t["kind"] == "tcp"] or ["-"]
-    print(n["node_id"], n["state"], n["grpc_address"], n["extents_owned"], tcp[0])
+    print(n["node_id"], n["state"], n["grpc_address"], n["extents_owned"], tcp[0],
+          n["applied_epoch"], n["incarnation"])
 s = json.loads(sys.argv[2])
-print("status", s["extents"], s["extents_unowned"], s["extents_in_handoff"], s["nodes_alive"])
+print("status", s["extents"], s["extents_unowned"], s["extents_in_handoff"], s["nodes_alive"],
+      s["epoch"])
 ' "$n" "$s"
 }
 
@@ -492,7 +496,7 @@ all_settled() {
   for ((i = 1; i <= nodes; i++)); do
     l=$(node_line "node-$i")
     ip=$(node_ip "$i")
-    [[ $l == "node-$i alive $ip:$NODE_PORT "* && $l == *" $ip:"* ]] || return 1
+    [[ $l == "node-$i alive $ip:$NODE_PORT "* && $(awk '{print $5}' <<<"$l") == "$ip:"* ]] || return 1
   done
   [[ $(status_field 5) == "$nodes" && $(status_field 3) == 0 && $(status_field 4) == 0 ]]
 }
@@ -501,8 +505,47 @@ others_sum() { awk -v id="$1" '$1 ~ /^node-/ && $1 != id && $2 == "alive" {s += 
 
 n2_dead() { [[ $(node_line node-2) =~ ^node-2\ (dead|left)\  ]]; }
 n2_moved() { n2_dead && [[ $(extents_of node-2) == 0 && $(others_sum node-2) == "$total" ]]; }
-n2_alive() { [[ $(node_line node-2) == "node-2 alive $(node_ip 2):$NODE_PORT "* ]]; }
-n2_back() { n2_alive && (($(extents_of node-2) > 0)) && [[ $(status_field 4) == 0 && $(status_field 3) == 0 ]]; }
+# Listed alive: the coordinator took a registration, which it may have got
+# from a request the node has given up on (see heal_phase).
+n2_listed() { [[ $(node_line node-2) == "node-2 alive $(node_ip 2):$NODE_PORT "* ]]; }
+# Back for real: the node heard its registration's answer and heartbeated.
+n2_joined() { n2_listed && (($(node_line node-2 | awk '{print $6}') > 0)); }
+n2_back() { n2_joined && (($(extents_of node-2) > 0)) && [[ $(status_field 4) == 0 && $(status_field 3) == 0 ]]; }
+
+# heal_phase T0: polls from the heal (at T0) until node-2 is back and has
+# stayed back for one lease. Sets listed_ms (the coordinator first lists it
+# alive), joined_ms (it heartbeats again), back_ms (it owns extents, the map
+# settled) and flaps (times it was listed alive and then not).
+heal_phase() {
+  local t0=$1 now i was=0 stable_until=0
+  listed_ms="" joined_ms="" back_ms="" flaps=0
+  for ((i = 0; i < 600; i++)); do # 600 x >= 100 ms, and a 40 s deadline
+    snap=$(snapshot) || snap=""
+    now=$(now_ms)
+    if [[ -n $snap ]]; then
+      if n2_listed; then
+        [[ -n $listed_ms ]] || listed_ms=$((now - t0))
+        was=1
+      else
+        ((was == 0)) || flaps=$((flaps + 1))
+        was=0
+      fi
+      [[ -n $joined_ms ]] || ! n2_joined || joined_ms=$((now - t0))
+      if [[ -z $back_ms ]] && n2_back; then
+        back_ms=$((now - t0))
+        stable_until=$((now + lease_ms))
+      fi
+      if [[ -n $back_ms ]]; then
+        n2_joined || fail "node-2 dropped out again $((now - t0)) ms after the heal, after it got its extents back"
+        ((now < stable_until)) || return 0
+      fi
+    fi
+    ((now - t0 < 40000)) || break
+    sleep 0.1
+  done
+  printf 'last snapshot:\n%s\n' "$snap" >&2
+  fail "node-2 not back 40 s after the heal (listed alive at ${listed_ms:--} ms, heartbeating at ${joined_ms:--} ms)"
+}
 
 # can_reach NS IP PORT: a TCP connection from host NS succeeds within 1 s.
 can_reach() {
@@ -603,13 +646,10 @@ assert len(h["reader"]) == int(sys.argv[4]) and all(r["exec"] and r["ip"] for r 
   cut_ms=$(($(now_ms) - t0))
   t0=$(now_ms)
   "${heal_cmd[@]}" || fail "the heal command failed"
-  wait_for 30000 "node-2 alive again" n2_alive
-  rejoin_ms=$(($(now_ms) - t0))
-  wait_for 30000 "node-2 owning extents again, the map settled" n2_back
-  back_ms=$(($(now_ms) - t0))
+  heal_phase "$t0"
   can_reach pw-r1 "$(node_ip 2)" "$NODE_PORT" || fail "pw-r1 does not reach node-2 after the heal"
-  log "node-2 alive again ${rejoin_ms} ms after the heal; owns $(extents_of node-2) extents, map settled, at ${back_ms} ms"
-  echo "SELF-CHECK OK: lease_ms=$lease_ms cut_ms=$cut_ms dead_ms=$dead_ms moved_ms=$moved_ms rejoin_ms=$rejoin_ms extents_back_ms=$back_ms"
+  log "after the heal: node-2 listed alive at ${listed_ms} ms, heartbeating (incarnation $(node_line node-2 | awk '{print $7}')) at ${joined_ms} ms, owns $(extents_of node-2) extents with the map settled at ${back_ms} ms, and stayed for a lease; dropped out again in between: $flaps time(s)"
+  echo "SELF-CHECK OK: lease_ms=$lease_ms cut_ms=$cut_ms dead_ms=$dead_ms moved_ms=$moved_ms listed_ms=$listed_ms rejoin_ms=$joined_ms extents_back_ms=$back_ms flaps=$flaps"
 }
 
 case $mode in
