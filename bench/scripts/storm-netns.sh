@@ -36,8 +36,9 @@
 #   --heal-at T          when the storm heals node-2 (default 20s)
 #   --hosts-file PATH    where to write the hosts file (default: a temporary
 #                        directory, removed at exit)
-#   --bench-bin PATH     pagewire-bench (default $CARGO_TARGET_DIR/release,
-#                        else target/release/pagewire-bench)
+#   --bench-bin PATH     pagewire-bench (default
+#                        $CARGO_TARGET_DIR/release/pagewire-bench when that
+#                        variable is set, else target/release/pagewire-bench)
 #   --bin-dir DIR        where pagewire-coordinator, pagewire-node and pwctl
 #                        are (default: the directory of --bench-bin)
 #   --lease-ms N         coordinator lease in the self-check (default 2000)
@@ -58,7 +59,7 @@
 #
 # Needs: root; iproute2 (`ip`, and `tc` for netem); python3 >= 3.11 for the
 # self-check (it reads the hosts file back with tomllib and pwctl's JSON);
-# `timeout`, `flock` (util-linux) and `mountpoint`. netem needs the kernel's
+# `timeout` and `flock` (util-linux); iptables on Docker hosts (below). netem needs the kernel's
 # sch_netem (CONFIG_NET_SCH_NETEM); the script probes it on a real interface
 # and, without it, says so and goes on only when neither --delay nor --loss
 # was given. (The 6.18 Firecracker kernel of our dev machines has no netem and
@@ -270,7 +271,7 @@ cleanup() {
 # ---------------------------------------------------------------- checks
 
 (($(id -u) == 0)) || die "must run as root (it makes network namespaces)"
-for c in ip timeout flock mountpoint; do
+for c in ip timeout flock; do
   command -v "$c" >/dev/null 2>&1 || die "needs '$c' (iproute2, coreutils, util-linux)"
 done
 [[ -z $delay && -z $loss ]] || command -v tc >/dev/null 2>&1 ||
@@ -553,7 +554,8 @@ can_reach() {
   timeout 1 ip netns exec "$1" bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$2" "$3" 2>/dev/null
 }
 
-# hosts_cmd KIND NAME FIELD: one argv from the hosts file, NUL-separated.
+# hosts_cmd NAME FIELD: node NAME's argv FIELD (cut, heal) from the hosts
+# file, NUL-separated.
 hosts_cmd() {
   "$PY" -c '
 import sys, tomllib
