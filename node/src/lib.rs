@@ -12,6 +12,7 @@
 //!   protocol.
 //! * [`remote`]: the one-sided reader of another node's region (READs only,
 //!   read-validate-retry, an index cache, fallback to the owner).
+//! * [`client`]: clients of the cluster outside the node daemon.
 //! * [`pattern`]: the self-describing page format every test and bench uses.
 //! * [`numa`]: topology discovery and placement (hwloc with feature `numa`).
 //!
@@ -33,6 +34,8 @@ pub mod stats;
 mod backing;
 #[cfg(not(loom))]
 mod cache;
+#[cfg(not(loom))]
+pub mod client;
 mod core;
 #[cfg(not(loom))]
 pub mod daemon;
