@@ -10,7 +10,7 @@
 //! an earlier incarnation ([`crate::remote::RemoteError::Stale`]).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
 use pagewire_proto::auth::AttachToken;
@@ -57,6 +57,13 @@ impl Reader {
         match self {
             Reader::Shm(r) => r.learn(page, frame, generation),
             Reader::Tcp(r) => r.learn(page, frame, generation),
+        }
+    }
+
+    pub(crate) fn trust_until(&mut self, until: Instant) {
+        match self {
+            Reader::Shm(r) => r.trust_until(until),
+            Reader::Tcp(r) => r.trust_until(until),
         }
     }
 
