@@ -190,6 +190,7 @@ pub enum Via {
 /// What one read took.
 #[derive(Clone, Copy, Debug)]
 pub struct ReadInfo {
+    /// The path that returned the bytes.
     pub via: Via,
     /// The node index that answered.
     pub owner: u32,
@@ -202,8 +203,11 @@ pub struct ReadInfo {
 pub struct ClientStats {
     /// Reads that returned bytes (`one_sided + fault_ins + grpc_reads`).
     pub reads: u64,
+    /// Reads answered by one-sided READs.
     pub one_sided: u64,
+    /// Reads answered by `FaultIn` after a one-sided miss.
     pub fault_ins: u64,
+    /// Reads answered by the gRPC `Read`.
     pub grpc_reads: u64,
     /// Writes acknowledged.
     pub writes: u64,
@@ -227,12 +231,16 @@ pub struct ClientStats {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
+    /// The coordinator could not be reached or answered an error at start.
     #[error("the coordinator at {address}: {reason}")]
     Coordinator { address: String, reason: String },
+    /// The token cannot be sent (empty, or not printable ASCII).
     #[error("bad cluster token: {0}")]
     Token(#[source] TokenError),
+    /// The runtime or the follower thread could not be started.
     #[error("cannot start the client's runtime or thread: {0}")]
     Runtime(#[source] std::io::Error),
+    /// No node registered within `op_deadline`, so the file is unknown.
     #[error("the cluster names no file yet (no node registered within {waited:?})")]
     NoFile { waited: Duration },
     /// Retries through failover ran out of time; `last` says why the last
@@ -243,10 +251,14 @@ pub enum ClientError {
         waited: Duration,
         last: String,
     },
+    /// The page is past the end of the file.
     #[error("page {page} is past the end of the file ({pages} pages)")]
     BeyondEnd { page: u64, pages: u64 },
+    /// The read buffer is shorter than a page.
     #[error("buffer of {got} bytes for a page of {need}")]
     BufferSize { need: usize, got: usize },
+    /// The write's length fits neither the page's valid length nor a whole
+    /// page with zeros past it.
     #[error(
         "write of {got} bytes to page {page}, which holds {len} (or {page_size} with zeros past {len})"
     )]
@@ -395,6 +407,7 @@ impl ClusterClient {
         })
     }
 
+    /// The cluster's page size in bytes.
     pub fn page_size(&self) -> usize {
         self.page_size
     }
