@@ -25,7 +25,7 @@ pub(crate) type NodeRpc = NodeClient<
     tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
 >;
 
-/// Which transport [`connect`] may use.
+/// Which transport one-sided reads of an owner may use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TransportChoice {
     /// `shm` when the owner's shm file is reachable from this host (a live
