@@ -12,6 +12,8 @@
 //!   protocol.
 //! * [`remote`]: the one-sided reader of another node's region (READs only,
 //!   read-validate-retry, an index cache, fallback to the owner).
+//! * [`client`]: a standalone process's client of the whole cluster: follows
+//!   the ownership map, routes each page, fails over by itself.
 //! * [`pattern`]: the self-describing page format every test and bench uses.
 //! * [`numa`]: topology discovery and placement (hwloc with feature `numa`).
 //!
@@ -33,6 +35,8 @@ pub mod stats;
 mod backing;
 #[cfg(not(loom))]
 mod cache;
+#[cfg(not(loom))]
+pub mod client;
 mod core;
 #[cfg(not(loom))]
 pub mod daemon;

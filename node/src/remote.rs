@@ -144,6 +144,26 @@ pub struct ReaderStats {
     pub bytes: u64,
 }
 
+impl ReaderStats {
+    /// Adds `other`'s counters to these (totals over several readers, or
+    /// over connections since closed).
+    pub fn add(&mut self, other: &ReaderStats) {
+        self.reads += other.reads;
+        self.warm_hits += other.warm_hits;
+        self.cold_hits += other.cold_hits;
+        self.bucket_reads += other.bucket_reads;
+        self.overflow_hops += other.overflow_hops;
+        self.ctrl_rereads += other.ctrl_rereads;
+        self.retries += other.retries;
+        self.validation_failures += other.validation_failures;
+        self.torn_buckets += other.torn_buckets;
+        self.absent += other.absent;
+        self.gave_up += other.gave_up;
+        self.round_trips += other.round_trips;
+        self.bytes += other.bytes;
+    }
+}
+
 /// A one-sided reader of one owner's region over one connection.
 pub struct RemoteReader<C: Connection> {
     conn: C,

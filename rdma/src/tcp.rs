@@ -574,15 +574,21 @@ pub struct ConnectionConfig {
     /// before it blocks; zero blocks at once. At most
     /// `available_parallelism() - 1` connections of the process spin at once.
     pub spin: Duration,
+    /// How long the TCP connect, and then each step of the handshake, may
+    /// take. A responder whose process is frozen (SIGSTOP) still completes
+    /// the TCP handshake in its kernel but never answers the hello: a
+    /// reader that must fail over quickly sets this short.
+    pub connect_timeout: Duration,
 }
 
 impl ConnectionConfig {
     /// Defaults: 5 s operation timeout, 1024 outstanding, 16 MiB READs, spin
-    /// [`DEFAULT_SPIN`].
+    /// [`DEFAULT_SPIN`], 10 s to connect.
     #[must_use]
     pub fn new(token: impl Into<Vec<u8>>) -> Self {
         Self {
             token: token.into(),
+            connect_timeout: HANDSHAKE_TIMEOUT,
             op_timeout: Duration::from_secs(5),
             max_outstanding: 1024,
             max_read_len: 16 << 20,
@@ -629,19 +635,40 @@ pub struct TcpConnection {
 unsafe impl Send for TcpConnection {}
 
 impl TcpConnection {
-    /// Connects to a responder and runs the handshake.
+    /// Connects to a responder and runs the handshake, each within
+    /// [`ConnectionConfig::connect_timeout`].
     ///
     /// # Errors
     /// [`ConnectError::AuthFailed`] when the tokens differ; I/O and protocol
-    /// errors otherwise.
+    /// errors otherwise (`TimedOut` or `WouldBlock` when the responder did
+    /// not answer in time).
     pub fn connect(
         addr: impl ToSocketAddrs,
         config: ConnectionConfig,
     ) -> Result<Self, ConnectError> {
-        let mut stream = TcpStream::connect(addr)?;
+        let limit = config.connect_timeout.max(Duration::from_millis(1));
+        let mut last = None;
+        let mut stream = None;
+        for a in addr.to_socket_addrs()? {
+            match TcpStream::connect_timeout(&a, limit) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let mut stream = stream.ok_or_else(|| {
+            last.unwrap_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "the address resolved to nothing",
+                )
+            })
+        })?;
         stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        stream.set_read_timeout(Some(limit))?;
+        stream.set_write_timeout(Some(limit))?;
         handshake::client(&mut stream, MAGIC, &config.token)?;
         stream.set_read_timeout(Some(WAIT_QUANTUM))?;
         stream.set_write_timeout(Some(config.op_timeout))?;

@@ -146,6 +146,30 @@ fn stale_epoch_is_refused() {
     conformance::bounded(30, conformance::stale_epoch_is_refused::<Tcp>);
 }
 
+/// A responder whose process is frozen still completes the TCP handshake in
+/// its kernel, but never answers the hello: the connect gives up after
+/// `connect_timeout`, not the default 10 s.
+#[test]
+fn a_silent_responder_times_out_the_connect() {
+    conformance::bounded(30, || {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let start = Instant::now();
+        let e = TcpConnection::connect(
+            silent.local_addr().expect("addr"),
+            ConnectionConfig {
+                connect_timeout: Duration::from_millis(200),
+                ..ConnectionConfig::new(TOKEN)
+            },
+        );
+        let took = start.elapsed();
+        assert!(matches!(e, Err(ConnectError::Io(_))), "{:?}", e.err());
+        assert!(
+            took >= Duration::from_millis(150) && took < Duration::from_secs(3),
+            "gave up after {took:?}"
+        );
+    });
+}
+
 #[test]
 fn wrong_token_is_refused() {
     conformance::bounded(30, || {

@@ -9,65 +9,21 @@
 //! round trip again. The caller (`Node::serve`) holds the map's read guard
 //! and checks this node's own lease before and after, so a map is trusted
 //! only while that lease holds (ARCHITECTURE.md, "Ownership, leases and
-//! writes").
+//! writes"). The connection and fault-in code is shared with the
+//! standalone client ([`crate::client::owner`]).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
+use crate::client::owner::{self, ConnectHow, Faulted, OwnerConn};
+use crate::remote::{Outcome, ReaderStats};
 use pagewire_proto::auth::AttachToken;
-use pagewire_proto::v1::node_client::NodeClient;
-use pagewire_proto::v1::{FaultInRequest, MapNode, PageRun, TransportDescriptor};
-use pagewire_rdma::RegionDescriptor;
-use pagewire_rdma::shm::{ShmConfig, ShmConnection};
-use pagewire_rdma::tcp::{ConnectionConfig, TcpConnection};
+use pagewire_proto::v1::MapNode;
 
 use super::DaemonError;
 use super::ownership::PageSource;
-
-enum Reader {
-    Shm(RemoteReader<ShmConnection>),
-    Tcp(RemoteReader<TcpConnection>),
-}
-
-impl Reader {
-    fn read_page(&mut self, page: u64, out: &mut [u8]) -> Result<Outcome, RemoteError> {
-        match self {
-            Reader::Shm(r) => r.read_page(page, out),
-            Reader::Tcp(r) => r.read_page(page, out),
-        }
-    }
-
-    fn learn(&mut self, page: u64, frame: u32, generation: u64) {
-        match self {
-            Reader::Shm(r) => r.learn(page, frame, generation),
-            Reader::Tcp(r) => r.learn(page, frame, generation),
-        }
-    }
-
-    fn stats(&self) -> ReaderStats {
-        match self {
-            Reader::Shm(r) => r.stats(),
-            Reader::Tcp(r) => r.stats(),
-        }
-    }
-
-    fn file_len(&self) -> u64 {
-        match self {
-            Reader::Shm(r) => r.superblock().file_len,
-            Reader::Tcp(r) => r.superblock().file_len,
-        }
-    }
-}
-
-struct Owner {
-    /// The region epoch of the descriptor this reader was opened with.
-    epoch: u64,
-    reader: Reader,
-}
 
 /// Counters of the one-sided path, exported on `/metrics`.
 #[derive(Default)]
@@ -82,19 +38,10 @@ pub(crate) struct SourceStats {
 pub(crate) struct OneSided {
     token: String,
     page_size: usize,
-    owners: Mutex<HashMap<u32, Owner>>,
+    owners: Mutex<HashMap<u32, OwnerConn>>,
     pub(crate) stats: SourceStats,
     /// Reader counters of connections since closed, so totals only grow.
     retired: Mutex<ReaderStats>,
-}
-
-fn descriptor(t: &TransportDescriptor) -> Option<RegionDescriptor> {
-    Some(RegionDescriptor {
-        addr: t.address,
-        len: t.length,
-        rkey: u32::try_from(t.rkey).ok()?,
-        epoch: t.epoch,
-    })
 }
 
 impl OneSided {
@@ -117,105 +64,35 @@ impl OneSided {
             .unwrap_or_else(|e| e.into_inner())
             .values()
         {
-            add(&mut total, &o.reader.stats());
+            total.add(&o.reader.stats());
         }
         total
     }
 
-    /// Open a reader to `owner`: its shm file when it is on this host, else
-    /// its tcp responder.
-    fn connect(&self, owner: &MapNode) -> Result<Owner, String> {
-        let mut why = Vec::new();
-        for t in owner.transports.iter().filter(|t| t.kind == "shm") {
-            let Some(d) = descriptor(t) else { continue };
-            let dir = PathBuf::from(String::from_utf8_lossy(&t.opaque).into_owned());
-            match ShmConnection::connect(
-                &t.endpoint,
-                ShmConfig {
-                    dir: Some(dir),
-                    chaos: None,
-                },
-            ) {
-                Ok(c) => match RemoteReader::connect(c, d, ReaderConfig::default()) {
-                    Ok(r) => {
-                        return Ok(Owner {
-                            epoch: d.epoch,
-                            reader: Reader::Shm(r),
-                        });
-                    }
-                    Err(e) => why.push(format!("shm: {e}")),
-                },
-                Err(e) => why.push(format!("shm: {e}")),
-            }
+    /// Drops the connection to `index`, keeping its counters.
+    fn retire(&self, owners: &mut HashMap<u32, OwnerConn>, index: u32) {
+        if let Some(old) = owners.remove(&index) {
+            self.retired
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .add(&old.reader.stats());
         }
-        for t in owner.transports.iter().filter(|t| t.kind == "tcp") {
-            let Some(d) = descriptor(t) else { continue };
-            match TcpConnection::connect(
-                t.endpoint.as_str(),
-                ConnectionConfig::new(self.token.as_bytes().to_vec()),
-            ) {
-                Ok(c) => match RemoteReader::connect(c, d, ReaderConfig::default()) {
-                    Ok(r) => {
-                        return Ok(Owner {
-                            epoch: d.epoch,
-                            reader: Reader::Tcp(r),
-                        });
-                    }
-                    Err(e) => why.push(format!("tcp: {e}")),
-                },
-                Err(e) => why.push(format!("tcp: {e}")),
-            }
-        }
-        if why.is_empty() {
-            why.push("it publishes no shm or tcp descriptor".into());
-        }
-        Err(why.join("; "))
     }
 
     /// Fault `page` in on its owner over gRPC and take the bytes from the
     /// reply. Returns the bytes and the frame's location.
-    fn fault_in(&self, owner: &MapNode, page: u64) -> Result<(Vec<u8>, u32, u64), String> {
+    fn fault_in(&self, owner: &MapNode, page: u64) -> Result<Faulted, String> {
         let handle = tokio::runtime::Handle::try_current().map_err(|e| e.to_string())?;
         let token = self.token.clone();
         let addr = owner.grpc_address.clone();
         handle.block_on(async move {
-            let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(5))
-                .await
-                .map_err(|e| e.to_string())?;
             let attach = AttachToken::new(&token).map_err(|e| e.to_string())?;
-            let r = NodeClient::with_interceptor(ch, attach)
-                .fault_in(FaultInRequest {
-                    run: Some(PageRun {
-                        first_page: page,
-                        page_count: 1,
-                    }),
-                    want_data: true,
-                    map_epoch: 0,
-                })
+            let mut client = owner::node_client(&addr, &attach, Duration::from_secs(5)).await?;
+            owner::fault_in(&mut client, page, 0)
                 .await
-                .map_err(|s| s.message().to_owned())?
-                .into_inner();
-            let loc = r.frames.first().ok_or("the owner returned no frame")?;
-            let frame = u32::try_from(loc.frame_index).map_err(|e| e.to_string())?;
-            Ok((r.data, frame, loc.frame_generation))
+                .map_err(|s| s.message().to_owned())
         })
     }
-}
-
-fn add(total: &mut ReaderStats, s: &ReaderStats) {
-    total.reads += s.reads;
-    total.warm_hits += s.warm_hits;
-    total.cold_hits += s.cold_hits;
-    total.bucket_reads += s.bucket_reads;
-    total.overflow_hops += s.overflow_hops;
-    total.ctrl_rereads += s.ctrl_rereads;
-    total.retries += s.retries;
-    total.validation_failures += s.validation_failures;
-    total.torn_buckets += s.torn_buckets;
-    total.absent += s.absent;
-    total.gave_up += s.gave_up;
-    total.round_trips += s.round_trips;
-    total.bytes += s.bytes;
 }
 
 impl PageSource for OneSided {
@@ -228,23 +105,19 @@ impl PageSource for OneSided {
     ) -> Result<(Vec<u8>, Vec<u64>), DaemonError> {
         let unavailable = |page, reason: String| DaemonError::OwnerUnavailable { page, reason };
         let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
-        let want_epoch = owner.transports.first().map(|t| t.epoch);
+        let want_epoch = owner::region_epoch(owner);
         if owners
             .get(&owner.index)
             .is_some_and(|o| Some(o.epoch) != want_epoch)
         {
             // The owner restarted (the map names a new region epoch).
-            if let Some(old) = owners.remove(&owner.index) {
-                add(
-                    &mut self.retired.lock().unwrap_or_else(|e| e.into_inner()),
-                    &old.reader.stats(),
-                );
-            }
+            self.retire(&mut owners, owner.index);
         }
         let o = match owners.entry(owner.index) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                let o = self.connect(owner).map_err(|why| unavailable(first, why))?;
+                let o = owner::connect(owner, &ConnectHow::daemon(&self.token))
+                    .map_err(|why| unavailable(first, why))?;
                 self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                 v.insert(o)
             }
@@ -265,7 +138,11 @@ impl PageSource for OneSided {
                 }
                 Ok(Outcome::Absent | Outcome::GaveUp) => {
                     self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
-                    let (bytes, frame, generation) = self
+                    let Faulted {
+                        data: bytes,
+                        frame,
+                        generation,
+                    } = self
                         .fault_in(owner, page)
                         .map_err(|why| unavailable(page, why))?;
                     if bytes.len() != len {
@@ -285,12 +162,7 @@ impl PageSource for OneSided {
                     // Stale descriptor (owner restarted) or a lost connection:
                     // drop the reader; the caller retries with a fresh map.
                     let why = e.to_string();
-                    if let Some(old) = owners.remove(&owner.index) {
-                        add(
-                            &mut self.retired.lock().unwrap_or_else(|e| e.into_inner()),
-                            &old.reader.stats(),
-                        );
-                    }
+                    self.retire(&mut owners, owner.index);
                     return Err(unavailable(page, why));
                 }
             }

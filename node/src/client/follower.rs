@@ -1,0 +1,479 @@
+//! [`MapFollower`]: one thread per process that keeps the ownership map
+//! current and says until when it may be trusted.
+//!
+//! # What a confirmation is
+//!
+//! A poll sends `Status` at `t_send` (this process's monotonic clock). The
+//! coordinator answers with the epoch it had published when it answered,
+//! which was at or after `t_send`, and its `lease_ms`. If that epoch is the
+//! map's, the map was current at some instant after `t_send`: the map is
+//! trusted until [`trust_window`]`(t_send, lease, margin)` = `t_send + lease
+//! − clock_drift_margin`. Otherwise (or after a lost connection, or when
+//! the coordinator's uptime went back, i.e. it restarted) the poll fetches
+//! `GetMap`, sent at `t_send'`, and trusts the new map until `t_send' +
+//! lease − margin`. Polls run one after another on the follower thread, so
+//! `t_send` only grows; a failed poll changes nothing and the window runs
+//! out by itself.
+//!
+//! Why `Status` and not `GetMap` every time: the epoch says everything
+//! (the coordinator bumps it whenever anything in the map changes, node
+//! descriptors included, under the lock `Status` reads it under), and a
+//! map grows with the file (a TiB file in 2 MiB extents is half a million
+//! entries per array), which many reader processes would fetch every
+//! lease/4. Why not `WatchMap`: a pushed map says nothing about *when* it
+//! was current, and silence on the stream does not confirm anything (a cut
+//! off stream is silent too), so confirmations need a request with a known
+//! send time anyway; with a poll every lease/4 and [`MapFollower::refresh_soon`]
+//! after any failure, a stream would only save a quarter lease of latency
+//! in learning a new epoch that readers find out about on their own (a
+//! stale-map refusal, an owner that stopped answering).
+//!
+//! # Sharing with the clients
+//!
+//! `(map, trust_until)` change together under `state`'s lock, which then
+//! bumps `seq`. A client keeps a copy of the pair and of `seq`; it takes
+//! the lock only when `seq` moved. A stale load of `seq` (Relaxed) makes it
+//! use its older pair, which is consistent and trusted no longer than it
+//! should be: never a newer trust window with an older map.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::v1::{GetMapRequest, OwnershipMap, StatusRequest};
+
+use super::ClientError;
+use super::owner::chain;
+
+/// How a [`MapFollower`] polls the coordinator.
+#[derive(Clone, Debug)]
+pub struct FollowerConfig {
+    /// Taken off every trust window against clock drift between this
+    /// process and the nodes (the nodes' `clock_drift_margin_ms`; default
+    /// 100 ms).
+    pub clock_drift_margin: Duration,
+    /// Connecting to the coordinator gives up after this long (default
+    /// 500 ms).
+    pub connect_timeout: Duration,
+    /// One `Status` or `GetMap` call gives up after this long (default 1 s).
+    pub rpc_timeout: Duration,
+    /// Time between polls (None: a quarter of the coordinator's lease).
+    /// Longer than the lease, the trust window lapses between polls and
+    /// readers wait for a confirmation (tests use it to prove the window).
+    pub poll_interval: Option<Duration>,
+}
+
+impl Default for FollowerConfig {
+    fn default() -> Self {
+        Self {
+            clock_drift_margin: Duration::from_millis(100),
+            connect_timeout: Duration::from_millis(500),
+            rpc_timeout: Duration::from_secs(1),
+            poll_interval: None,
+        }
+    }
+}
+
+/// Polls asked for by [`MapFollower::refresh_soon`] start at most this
+/// often (a storm of failing reads must not become a storm of polls).
+const MIN_POLL_GAP: Duration = Duration::from_millis(10);
+/// Polls after a failed one (coordinator down or unreachable), at most
+/// this far apart.
+const RETRY_POLL: Duration = Duration::from_millis(50);
+
+/// Until when a map confirmed by a request sent at `sent` may be trusted,
+/// with the coordinator's `lease` and this process's drift `margin`
+/// (None: a lease no longer than the margin never holds).
+pub fn trust_window(sent: Instant, lease: Duration, margin: Duration) -> Option<Instant> {
+    lease
+        .checked_sub(margin)
+        .filter(|d| !d.is_zero())
+        .map(|d| sent + d)
+}
+
+/// Follows the coordinator's ownership map for a process: one background
+/// thread, shared by the process's clients.
+pub struct MapFollower {
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    /// Signalled (notify_all) when a poll is wanted, and when one finishes.
+    cv: Condvar,
+    /// Bumped under `state`'s lock each time `(map, trust_until)` changes.
+    seq: AtomicU64,
+    cfg: FollowerConfig,
+}
+
+struct State {
+    map: Arc<OwnershipMap>,
+    lease: Duration,
+    trust_until: Option<Instant>,
+    /// Polls started and finished (a waiter wants one started after it asked).
+    started: u64,
+    finished: u64,
+    want: bool,
+    shutdown: bool,
+    last_error: Option<String>,
+}
+
+/// A consistent copy of what clients need: the map and until when to trust it.
+#[derive(Clone)]
+pub(crate) struct Snapshot {
+    pub(crate) seq: u64,
+    pub(crate) map: Arc<OwnershipMap>,
+    pub(crate) trust_until: Option<Instant>,
+}
+
+impl Snapshot {
+    pub(crate) fn trusted(&self, now: Instant) -> bool {
+        self.trust_until.is_some_and(|t| now < t)
+    }
+}
+
+/// What one poll learnt.
+struct Confirmed {
+    /// A new map (None: the current one is confirmed).
+    map: Option<OwnershipMap>,
+    /// When the confirming request was sent.
+    sent: Instant,
+    lease: Duration,
+}
+
+/// The follower thread's connection to the coordinator.
+struct Coordinator {
+    address: String,
+    attach: AttachToken,
+    cfg: FollowerConfig,
+    client: Option<
+        CoordinatorClient<
+            tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
+        >,
+    >,
+    /// The coordinator's uptime at the last poll (a smaller one: it restarted).
+    uptime_ms: u64,
+}
+
+impl Coordinator {
+    async fn timed<T>(
+        &self,
+        what: &str,
+        f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, String> {
+        match tokio::time::timeout(self.cfg.rpc_timeout, f).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(format!("{what}: {}", s.message())),
+            Err(_) => Err(format!(
+                "{what}: no answer within {:?}",
+                self.cfg.rpc_timeout
+            )),
+        }
+    }
+
+    /// One poll: `Status`, and `GetMap` when the epoch moved, the
+    /// connection is new or the coordinator restarted.
+    async fn poll(&mut self, epoch: Option<u64>) -> Result<Confirmed, String> {
+        let fresh = self.client.is_none();
+        if fresh {
+            let ch = pagewire_proto::net::connect(&self.address, None, self.cfg.connect_timeout)
+                .await
+                .map_err(|e| chain(&e))?;
+            self.client = Some(CoordinatorClient::with_interceptor(ch, self.attach.clone()));
+        }
+        let mut c = self.client.clone().expect("connected above");
+        let r = async {
+            let sent = Instant::now();
+            let st = self.timed("Status", c.status(StatusRequest {})).await?;
+            let restarted = st.uptime_ms < self.uptime_ms;
+            self.uptime_ms = st.uptime_ms;
+            let lease = Duration::from_millis(st.lease_ms);
+            if !fresh && !restarted && epoch == Some(st.epoch) {
+                return Ok(Confirmed {
+                    map: None,
+                    sent,
+                    lease,
+                });
+            }
+            let sent = Instant::now();
+            let map = self.timed("GetMap", c.get_map(GetMapRequest {})).await?;
+            Ok(Confirmed {
+                map: Some(map),
+                sent,
+                lease,
+            })
+        }
+        .await;
+        if r.is_err() {
+            // Reconnect next time (a restarted coordinator, a dead channel).
+            self.client = None;
+        }
+        r
+    }
+}
+
+impl MapFollower {
+    /// Connects to the coordinator at `coordinator` (host:port) with the
+    /// cluster token (sent as `pagewire_proto::auth::AttachToken`, like the
+    /// node daemon), reads `Status` (lease) and `GetMap`, and starts the
+    /// follower thread.
+    pub fn start(coordinator: &str, token: &str) -> Result<Arc<Self>, ClientError> {
+        Self::start_with(coordinator, token, FollowerConfig::default())
+    }
+
+    /// [`MapFollower::start`] with settings.
+    pub fn start_with(
+        coordinator: &str,
+        token: &str,
+        cfg: FollowerConfig,
+    ) -> Result<Arc<Self>, ClientError> {
+        let attach = AttachToken::new(token).map_err(ClientError::Token)?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(ClientError::Runtime)?;
+        let mut coord = Coordinator {
+            address: coordinator.to_owned(),
+            attach,
+            cfg: cfg.clone(),
+            client: None,
+            uptime_ms: 0,
+        };
+        let first = rt
+            .block_on(coord.poll(None))
+            .map_err(|reason| ClientError::Coordinator {
+                address: coordinator.to_owned(),
+                reason,
+            })?;
+        let map = first.map.unwrap_or_default();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                map: Arc::new(map),
+                lease: first.lease,
+                trust_until: trust_window(first.sent, first.lease, cfg.clock_drift_margin),
+                started: 1,
+                finished: 1,
+                want: false,
+                shutdown: false,
+                last_error: None,
+            }),
+            cv: Condvar::new(),
+            seq: AtomicU64::new(1),
+            cfg,
+        });
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("pagewire-map".into())
+            .spawn(move || s.run(rt, coord, first.sent))
+            .map_err(ClientError::Runtime)?;
+        Ok(Arc::new(Self { shared }))
+    }
+
+    /// The epoch of the map followed now.
+    pub fn epoch(&self) -> u64 {
+        self.shared.lock().map.epoch
+    }
+
+    /// The map followed now (which may be past its trust window: see
+    /// [`MapFollower::trusted_until`]).
+    pub fn map(&self) -> Arc<OwnershipMap> {
+        self.shared.lock().map.clone()
+    }
+
+    /// The coordinator's lease, as it last said.
+    pub fn lease(&self) -> Duration {
+        self.shared.lock().lease
+    }
+
+    /// Until when the current map may be trusted (None: never confirmed
+    /// under a usable lease).
+    pub fn trusted_until(&self) -> Option<Instant> {
+        self.shared.lock().trust_until
+    }
+
+    /// Why the last poll failed, if it did.
+    pub fn last_error(&self) -> Option<String> {
+        self.shared.lock().last_error.clone()
+    }
+
+    /// Ask for a fresh map now (non-blocking); used after an owner failed.
+    pub fn refresh_soon(&self) {
+        self.shared.ask();
+    }
+
+    /// Asks for a poll and waits (at most `bound`) until one that started
+    /// after this call has finished; returns whether the map is trusted now.
+    pub fn refresh(&self, bound: Duration) -> bool {
+        self.shared.refresh(bound)
+    }
+}
+
+impl Drop for MapFollower {
+    fn drop(&mut self) {
+        // The thread ends after its current poll; nobody waits for it.
+        self.shared.lock().shutdown = true;
+        self.shared.cv.notify_all();
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The pair clients use, if it changed since `seq`.
+    pub(crate) fn snapshot_if_changed(&self, seq: u64) -> Option<Snapshot> {
+        // Relaxed: a stale value only keeps the caller on its older,
+        // consistent pair (module doc); the pair itself is read under the lock.
+        if self.seq.load(Ordering::Relaxed) == seq {
+            return None;
+        }
+        Some(self.snapshot())
+    }
+
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        let st = self.lock();
+        Snapshot {
+            seq: self.seq.load(Ordering::Relaxed),
+            map: st.map.clone(),
+            trust_until: st.trust_until,
+        }
+    }
+
+    pub(crate) fn ask(&self) {
+        let mut st = self.lock();
+        if !st.want {
+            st.want = true;
+            self.cv.notify_all();
+        }
+    }
+
+    pub(crate) fn refresh(&self, bound: Duration) -> bool {
+        let end = Instant::now() + bound;
+        let mut st = self.lock();
+        let target = st.started + 1;
+        st.want = true;
+        self.cv.notify_all();
+        while st.finished < target && !st.shutdown {
+            let now = Instant::now();
+            if now >= end {
+                break;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, end - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        st.trust_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Sleeps up to `pause`, waking early when the map's epoch is no longer
+    /// `epoch` (a failover's new map ends a backoff at once).
+    pub(crate) fn wait_epoch_change(&self, epoch: u64, pause: Duration) {
+        let end = Instant::now() + pause;
+        let mut st = self.lock();
+        while st.map.epoch == epoch && !st.shutdown {
+            let now = Instant::now();
+            if now >= end {
+                break;
+            }
+            st = self
+                .cv
+                .wait_timeout(st, end - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// The follower thread: polls every `poll_interval` (a quarter lease),
+    /// sooner when asked (at most every [`MIN_POLL_GAP`]), every
+    /// [`RETRY_POLL`] while polls fail.
+    fn run(self: Arc<Self>, rt: tokio::runtime::Runtime, mut coord: Coordinator, first: Instant) {
+        let mut last_start = first;
+        let mut failing = false;
+        loop {
+            let epoch = {
+                let mut st = self.lock();
+                loop {
+                    if st.shutdown {
+                        return;
+                    }
+                    let mut interval = self.cfg.poll_interval.unwrap_or(if st.lease.is_zero() {
+                        Duration::from_millis(250)
+                    } else {
+                        st.lease / 4
+                    });
+                    if failing {
+                        interval = interval.min(RETRY_POLL);
+                    }
+                    if st.want {
+                        interval = interval.min(MIN_POLL_GAP);
+                    }
+                    let now = Instant::now();
+                    let due = last_start + interval;
+                    if now >= due {
+                        break;
+                    }
+                    st = self
+                        .cv
+                        .wait_timeout(st, due - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                st.want = false;
+                st.started += 1;
+                st.map.epoch
+            };
+            last_start = Instant::now();
+            let r = rt.block_on(coord.poll(Some(epoch)));
+            let mut st = self.lock();
+            failing = r.is_err();
+            match r {
+                Ok(c) => {
+                    if let Some(map) = c.map {
+                        if map.epoch < st.map.epoch {
+                            tracing::warn!(
+                                old = st.map.epoch,
+                                new = map.epoch,
+                                "the coordinator's map epoch went back; following it"
+                            );
+                        }
+                        st.map = Arc::new(map);
+                    }
+                    st.lease = c.lease;
+                    st.trust_until = trust_window(c.sent, c.lease, self.cfg.clock_drift_margin);
+                    st.last_error = None;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "map poll failed");
+                    st.last_error = Some(e);
+                }
+            }
+            st.finished += 1;
+            // Under the lock: a client that sees the new value reads the new pair.
+            self.seq.fetch_add(1, Ordering::Relaxed);
+            drop(st);
+            self.cv.notify_all();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::trust_window;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_trust_window_counts_from_the_send_time_less_the_margin() {
+        let sent = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(trust_window(sent, ms(1500), ms(100)), Some(sent + ms(1400)));
+        assert_eq!(trust_window(sent, ms(100), ms(100)), None, "lease = margin");
+        assert_eq!(trust_window(sent, ms(50), ms(100)), None, "lease < margin");
+        assert_eq!(trust_window(sent, ms(0), ms(0)), None, "no lease");
+        assert_eq!(trust_window(sent, ms(10), ms(0)), Some(sent + ms(10)));
+    }
+}

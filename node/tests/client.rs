@@ -1,0 +1,893 @@
+//! `pagewire_node::client` against real processes on loopback: a
+//! coordinator and three `pagewire-node` daemons over a self-describing
+//! file (`pattern`, a partial last page included), read by `ClusterClient`s
+//! in this process over every path, while nodes are killed (-9), frozen
+//! (SIGSTOP) and the coordinator goes away. Every byte of every read is
+//! verified, and no read may be older than a write acknowledged before it
+//! started.
+//!
+//! Needs the coordinator binary beside `pagewire-node` (`cargo build
+//! --release -p pagewire-coordinator`; `cargo test --workspace` builds it).
+//! The tests run one at a time (they time leases, and share two cores in
+//! CI).
+
+use pagewire_node::client::{
+    ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadPath,
+    TransportChoice, Via, read_owner,
+};
+use pagewire_node::pattern;
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::v1::{GetMapRequest, ListNodesRequest, NodeInfo, NodeState, OwnershipMap};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "client-test-token";
+const PS: usize = 4096;
+const PAGES: u64 = 4096;
+/// The last page holds 3096 bytes.
+const FILE_LEN: u64 = PAGES * PS as u64 - 1000;
+/// 16 pages per extent, 256 extents.
+const EXTENT: u64 = 64 << 10;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// One test at a time: each starts four processes and times leases.
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn node_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-node"))
+}
+
+fn coordinator_bin() -> PathBuf {
+    let p = node_bin()
+        .parent()
+        .expect("binary dir")
+        .join("pagewire-coordinator");
+    assert!(
+        p.exists(),
+        "{} is not built: run `cargo build --release -p pagewire-coordinator` (cargo test --workspace builds it)",
+        p.display()
+    );
+    p
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill -{signal} {}", self.name);
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    port: u16,
+    lease_ms: u64,
+    coord: Option<Proc>,
+    nodes: Vec<Proc>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        for p in self.coord.iter_mut().chain(self.nodes.iter_mut()) {
+            p.kill9();
+            if panicking {
+                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(12).collect();
+                eprintln!("--- last lines of {} ---", p.name);
+                for l in tail.iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+impl Cluster {
+    fn new(lease_ms: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
+        pattern::generate_file(&dir.path().join("data"), FILE_LEN, PS).expect("data file");
+        let mut c = Cluster {
+            dir,
+            port: free_port(),
+            lease_ms,
+            coord: None,
+            nodes: Vec::new(),
+        };
+        c.start_coordinator();
+        c
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn coord_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn start_coordinator(&mut self) {
+        let log = self.path("coordinator.log");
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log");
+        let child = Command::new(coordinator_bin())
+            .arg("--listen")
+            .arg(self.coord_addr())
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .arg("--state-file")
+            .arg(self.path("coordinator.state"))
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .arg("--lease-ms")
+            .arg(self.lease_ms.to_string())
+            .arg("--extent-size")
+            .arg(EXTENT.to_string())
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .expect("spawn coordinator");
+        self.coord = Some(Proc {
+            name: "coordinator".into(),
+            child,
+            log,
+        });
+        self.wait_for("the coordinator to answer", |c| c.map().is_some());
+    }
+
+    fn start_node(&mut self, id: &str, frames: u64) {
+        let log = self.path(&format!("{id}.log"));
+        let child = Command::new(node_bin())
+            .args(["--node-id", id])
+            .arg("--backing-file")
+            .arg(self.path("data"))
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", ""])
+            .arg("--coordinator")
+            .arg(self.coord_addr())
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .arg("--frames")
+            .arg(frames.to_string())
+            .arg("--shm-dir")
+            .arg(self.path(""))
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn node");
+        self.nodes.push(Proc {
+            name: id.into(),
+            child,
+            log,
+        });
+    }
+
+    fn node(&mut self, id: &str) -> &mut Proc {
+        self.nodes.iter_mut().find(|p| p.name == id).expect("node")
+    }
+
+    /// Runs `call` on a fresh connection to the coordinator (None: it failed).
+    fn coord_call<T, Fut>(&self, call: impl FnOnce(Coord) -> Fut) -> Option<T>
+    where
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let addr = self.coord_addr();
+        rt().block_on(async move {
+            let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(2))
+                .await
+                .ok()?;
+            let c =
+                CoordinatorClient::with_interceptor(ch, AttachToken::new(TOKEN).expect("token"));
+            let r = tokio::time::timeout(Duration::from_secs(5), call(c))
+                .await
+                .ok()?;
+            r.ok().map(tonic::Response::into_inner)
+        })
+    }
+
+    fn map(&self) -> Option<OwnershipMap> {
+        self.coord_call(|mut c| async move { c.get_map(GetMapRequest {}).await })
+    }
+
+    fn nodes(&self) -> Option<Vec<NodeInfo>> {
+        self.coord_call(|mut c| async move { c.list_nodes(ListNodesRequest {}).await })
+            .map(|r| r.nodes)
+    }
+
+    fn wait_for(&self, what: &str, mut ok: impl FnMut(&Self) -> bool) -> Duration {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if ok(self) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out after 30 s waiting for {what}");
+    }
+
+    /// Waits until `n` nodes are alive and applied the current epoch, every
+    /// extent has an owner and no handoff is in progress.
+    fn wait_stable(&self, n: usize) -> OwnershipMap {
+        let mut out = None;
+        self.wait_for(&format!("{n} settled nodes"), |c| {
+            let (Some(map), Some(nodes)) = (c.map(), c.nodes()) else {
+                return false;
+            };
+            let alive: Vec<&NodeInfo> = nodes
+                .iter()
+                .filter(|x| x.state == NodeState::Alive as i32)
+                .collect();
+            let ok = map.epoch != 0
+                && alive.len() == n
+                && map.owner.iter().all(|&o| o != 0)
+                && map.previous_owner.iter().all(|&p| p == 0)
+                && alive.iter().all(|x| x.applied_epoch == map.epoch);
+            if ok {
+                out = Some(map);
+            }
+            ok
+        });
+        out.expect("map")
+    }
+}
+
+type Coord = CoordinatorClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
+>;
+
+fn index_of(map: &OwnershipMap, id: &str) -> u32 {
+    map.nodes
+        .iter()
+        .find(|n| n.node_id == id)
+        .map(|n| n.index)
+        .expect("node in map")
+}
+
+/// Checks a read of `page` (valid length `len`): every byte of the pattern
+/// at the page's own generation, zeros past `len`. Returns the generation.
+fn check(page: u64, buf: &[u8], len: usize) -> Result<u64, String> {
+    let g = pattern::verify(page, &buf[..len]).map_err(|e| format!("page {page}: {e}"))?;
+    if let Some(i) = buf[len..].iter().position(|&b| b != 0) {
+        return Err(format!(
+            "page {page}: byte {} past its valid length {len} is not zero",
+            len + i
+        ));
+    }
+    Ok(g)
+}
+
+fn config(path: ReadPath, transport: TransportChoice) -> ClientConfig {
+    ClientConfig {
+        path,
+        transport,
+        ..ClientConfig::default()
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+/// Every page through each path (one-sided over shm and over tcp, gRPC),
+/// then random pages, with caches a third too small for the file.
+#[test]
+fn every_path_reads_every_page_right_while_nodes_evict() {
+    let _serial = serial();
+    let t0 = Instant::now();
+    let mut c = Cluster::new(3000);
+    for id in ["a1", "a2", "a3"] {
+        c.start_node(id, 1024); // each owns about 1365 pages
+    }
+    c.wait_stable(3);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let paths = [
+        ("one-sided shm", ReadPath::OneSided, TransportChoice::Shm),
+        ("one-sided tcp", ReadPath::OneSided, TransportChoice::Tcp),
+        ("grpc", ReadPath::Grpc, TransportChoice::Auto),
+    ];
+    let threads: Vec<_> = paths
+        .into_iter()
+        .enumerate()
+        .map(|(k, (name, path, transport))| {
+            let f = follower.clone();
+            std::thread::spawn(move || {
+                let mut cl = ClusterClient::new(f, TOKEN, config(path, transport)).expect("client");
+                assert_eq!(cl.file_pages(), PAGES);
+                assert_eq!(cl.page_len(PAGES - 1), PS - 1000);
+                let mut buf = vec![0u8; PS];
+                let mut read = |cl: &mut ClusterClient, p: u64| {
+                    buf.fill(0xAA);
+                    let info = cl
+                        .read_page(p, &mut buf)
+                        .unwrap_or_else(|e| panic!("{name}: page {p}: {e}"));
+                    let g =
+                        check(p, &buf, cl.page_len(p)).unwrap_or_else(|e| panic!("{name}: {e}"));
+                    assert_eq!(g, 0, "{name}: nothing was written");
+                    info
+                };
+                for p in 0..PAGES {
+                    read(&mut cl, p);
+                }
+                let mut rng = SmallRng::seed_from_u64(k as u64);
+                let (end, mut n) = (Instant::now() + Duration::from_secs(3), 0u64);
+                while Instant::now() < end {
+                    let info = read(&mut cl, rng.random_range(0..PAGES));
+                    assert!(info.attempts >= 1);
+                    n += 1;
+                }
+                (name, path, cl.stats(), n)
+            })
+        })
+        .collect();
+    for t in threads {
+        let (name, path, s, n): (&str, ReadPath, ClientStats, u64) = t.join().expect("reader");
+        eprintln!(
+            "MEASURE {name}: {} reads ({n} random): {} one-sided, {} FaultIn, {} gRPC; \
+             {} retries, {} validation failures, {} torn buckets",
+            s.reads,
+            s.one_sided,
+            s.fault_ins,
+            s.grpc_reads,
+            s.retries,
+            s.reader.validation_failures,
+            s.reader.torn_buckets
+        );
+        assert_eq!(s.unavailable, 0);
+        assert_eq!(s.reads, s.one_sided + s.fault_ins + s.grpc_reads);
+        match path {
+            ReadPath::OneSided => {
+                assert!(s.one_sided > 0, "{name}: no one-sided hit");
+                assert!(s.fault_ins > 0, "{name}: no FaultIn fallback");
+                assert_eq!(s.grpc_reads, 0);
+            }
+            ReadPath::Grpc => assert_eq!(s.grpc_reads, s.reads),
+        }
+    }
+    eprintln!(
+        "COVERED every page and random pages over shm, tcp and gRPC, \
+         3 nodes evicting: {:?}",
+        t0.elapsed()
+    );
+}
+
+/// kill -9 of a node under a read loop over tcp: reads stall about one
+/// lease, then go on from the new owners; none fails, none is wrong.
+#[test]
+fn reads_go_on_after_an_owner_is_killed() {
+    let _serial = serial();
+    let t0 = Instant::now();
+    let lease_ms = 1500;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["b1", "b2", "b3"] {
+        c.start_node(id, 1024);
+    }
+    let before = c.wait_stable(3);
+    let victim = index_of(&before, "b2");
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (f, stop, before) = (follower.clone(), stop.clone(), before.clone());
+        std::thread::spawn(move || {
+            let mut cl =
+                ClusterClient::new(f, TOKEN, config(ReadPath::OneSided, TransportChoice::Tcp))
+                    .expect("client");
+            let mut rng = SmallRng::seed_from_u64(2);
+            let mut buf = vec![0u8; PS];
+            // (started, took, page was the victim's, answered by)
+            let mut log = Vec::new();
+            let mut errors = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let p = rng.random_range(0..PAGES);
+                let t = Instant::now();
+                match cl.read_page(p, &mut buf) {
+                    Ok(info) => {
+                        if let Err(e) = check(p, &buf, cl.page_len(p)) {
+                            errors.push(e);
+                        }
+                        log.push((
+                            t,
+                            t.elapsed(),
+                            read_owner(&before, p) == Some(victim),
+                            info.owner,
+                        ));
+                    }
+                    Err(e) => errors.push(format!("page {p}: {e}")),
+                }
+            }
+            (log, errors, cl.stats())
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    c.node("b2").kill9();
+    let killed = Instant::now();
+    c.wait_for("b2's extents to move", |c| {
+        c.map()
+            .is_some_and(|m| m.owner.iter().all(|&o| o != 0 && o != victim))
+    });
+    let moved = killed.elapsed();
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    let (log, errors, s) = reader.join().expect("reader");
+    assert!(
+        errors.is_empty(),
+        "{} failed or wrong reads: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    let after: Vec<_> = log.iter().filter(|r| r.0 + r.1 > killed).collect();
+    let stall = after.iter().map(|r| r.1).max().unwrap_or_default();
+    let first_new = after
+        .iter()
+        .find(|r| r.2 && r.3 != victim)
+        .map(|r| r.0 + r.1 - killed)
+        .expect("a victim page read from its new owner");
+    eprintln!(
+        "MEASURE kill -9 (lease {lease_ms} ms): map moved after {} ms; longest read {} ms; \
+         first read of a victim page from its new owner {} ms after the kill; {} reads, \
+         {} retries, {} reconnects, {} map refreshes, 0 failed",
+        moved.as_millis(),
+        stall.as_millis(),
+        first_new.as_millis(),
+        s.reads,
+        s.retries,
+        s.reconnects,
+        s.map_refreshes
+    );
+    assert!(after.len() > 10, "reads after the kill: {}", after.len());
+    assert!(s.retries > 0, "nothing was retried through the failover");
+    assert!(
+        first_new < Duration::from_millis(lease_ms + 3000),
+        "stalled {first_new:?}"
+    );
+    eprintln!(
+        "COVERED kill -9 of an owner under a tcp read loop: {:?}",
+        t0.elapsed()
+    );
+}
+
+/// The freshness test. A writer writes pages (pattern generation g + 1)
+/// and records each acknowledged generation; readers load it before each
+/// read and require the page's generation to be at least that. One owner
+/// is frozen (SIGSTOP) past its lease: its extents move, writes to them go
+/// to the new owner after its fence, and it is thawed. Two of the readers
+/// read over shm, where the frozen owner's memory stays readable, and
+/// their follower polls only when asked: the only thing that stops them
+/// reading the frozen owner's old frames after the new owner acknowledged
+/// a write is the trust window (they must have waited for it).
+#[test]
+fn no_read_is_older_than_an_acknowledged_write_through_a_frozen_owner() {
+    let _serial = serial();
+    let t0 = Instant::now();
+    let lease_ms = 1500;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["c1", "c2", "c3"] {
+        c.start_node(id, 2048);
+    }
+    let map = c.wait_stable(3);
+    let victim = index_of(&map, "c2");
+    let ppe = EXTENT / PS as u64;
+    // Two pages of each of 16 extents of the victim, and of 16 others.
+    let mut pages: Vec<u64> = Vec::new();
+    for want_victim in [true, false] {
+        let extents = (0..map.owner.len() as u64)
+            .filter(|&e| (map.owner[e as usize] == victim) == want_victim)
+            .take(16);
+        for e in extents {
+            pages.extend([e * ppe + 1, e * ppe + 9]);
+        }
+    }
+    let victim_pages = pages
+        .iter()
+        .filter(|&&p| read_owner(&map, p) == Some(victim))
+        .count();
+    assert_eq!(victim_pages, 32);
+    let pages = Arc::new(pages);
+    let acked: Arc<Vec<AtomicU64>> = Arc::new(pages.iter().map(|_| AtomicU64::new(0)).collect());
+    let writer_follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let lazy = MapFollower::start_with(
+        &c.coord_addr(),
+        TOKEN,
+        FollowerConfig {
+            poll_interval: Some(Duration::from_secs(600)),
+            ..FollowerConfig::default()
+        },
+    )
+    .expect("lazy follower");
+    // 0: warm, 1: owner frozen, 2: thawed.
+    let phase = Arc::new(AtomicU8::new(0));
+    // No write to the victim is in flight when it is frozen: a node frozen
+    // between its lease check and its pwrite lands an old write over newer
+    // ones when it wakes (ARCHITECTURE.md: closing that needs a fence on the
+    // storage side), which this test is not about. The writer announces a
+    // write to the victim's pages, then checks `hold` (SeqCst both sides).
+    let hold = Arc::new(AtomicBool::new(false));
+    let in_victim_write = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let long = Duration::from_secs(20);
+
+    let writer = {
+        let (f, pages, acked, phase, stop) = (
+            writer_follower.clone(),
+            pages.clone(),
+            acked.clone(),
+            phase.clone(),
+            stop.clone(),
+        );
+        let (hold, in_victim_write, map) = (hold.clone(), in_victim_write.clone(), map.clone());
+        std::thread::spawn(move || {
+            let mut cl = ClusterClient::new(
+                f,
+                TOKEN,
+                ClientConfig {
+                    op_deadline: long,
+                    ..ClientConfig::default()
+                },
+            )
+            .expect("writer");
+            let mut buf = vec![0u8; PS];
+            // (page index, phase when it started, acknowledged at)
+            let mut acks = Vec::new();
+            let mut errors = Vec::new();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let p = pages[i];
+                let to_victim = read_owner(&map, p) == Some(victim);
+                if to_victim {
+                    in_victim_write.store(true, Ordering::SeqCst);
+                    if hold.load(Ordering::SeqCst) {
+                        in_victim_write.store(false, Ordering::SeqCst);
+                        i = (i + 1) % pages.len();
+                        continue;
+                    }
+                }
+                let len = cl.page_len(p);
+                let g = acked[i].load(Ordering::Relaxed) + 1;
+                pattern::fill(p, g, &mut buf[..len]);
+                let ph = phase.load(Ordering::Relaxed);
+                match cl.write_page(p, &buf[..len]) {
+                    Ok(_) => {
+                        // Release: a reader that loads g reads after the ack.
+                        acked[i].store(g, Ordering::Release);
+                        acks.push((i, ph, Instant::now()));
+                    }
+                    Err(e) => errors.push(format!("write of page {p}: {e}")),
+                }
+                in_victim_write.store(false, Ordering::SeqCst);
+                i = (i + 1) % pages.len();
+            }
+            (acks, errors, cl.stats())
+        })
+    };
+    let readers: Vec<_> = [
+        ("lazy shm 1", TransportChoice::Shm, true),
+        ("lazy shm 2", TransportChoice::Shm, true),
+        ("tcp", TransportChoice::Tcp, false),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(k, (name, transport, is_lazy))| {
+        let f = if is_lazy {
+            lazy.clone()
+        } else {
+            writer_follower.clone()
+        };
+        let (pages, acked, phase, stop) =
+            (pages.clone(), acked.clone(), phase.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut cl = ClusterClient::new(
+                f,
+                TOKEN,
+                ClientConfig {
+                    transport,
+                    op_deadline: long,
+                    ..ClientConfig::default()
+                },
+            )
+            .expect("reader");
+            let mut rng = SmallRng::seed_from_u64(10 + k as u64);
+            let mut buf = vec![0u8; PS];
+            let mut bad = Vec::new();
+            // Per phase: reads, reads of the victim's pages answered by the
+            // victim, lease waits.
+            let mut tally = [[0u64; 3]; 3];
+            while !stop.load(Ordering::Relaxed) {
+                let i = rng.random_range(0..pages.len());
+                let p = pages[i];
+                let ph = phase.load(Ordering::Relaxed) as usize;
+                let waits = cl.stats().lease_waits;
+                // Acquire: pairs with the writer's Release after the ack.
+                let floor = acked[i].load(Ordering::Acquire);
+                match cl.read_page(p, &mut buf) {
+                    Ok(info) => match check(p, &buf, cl.page_len(p)) {
+                        Ok(g) if g < floor => bad.push(format!(
+                            "{name}: STALE page {p}: generation {g}, {floor} acknowledged before \
+                             the read (phase {ph}, via {:?} from node {})",
+                            info.via, info.owner
+                        )),
+                        Ok(_) => {
+                            tally[ph][0] += 1;
+                            if info.owner == victim && info.via == Via::OneSided {
+                                tally[ph][1] += 1;
+                            }
+                        }
+                        Err(e) => bad.push(format!("{name}: WRONG {e}")),
+                    },
+                    Err(e) => bad.push(format!("{name}: page {p}: {e}")),
+                }
+                tally[ph][2] += cl.stats().lease_waits - waits;
+            }
+            (name, is_lazy, bad, tally, cl.stats())
+        })
+    })
+    .collect();
+
+    std::thread::sleep(Duration::from_secs(2));
+    hold.store(true, Ordering::SeqCst);
+    while in_victim_write.load(Ordering::SeqCst) {
+        std::thread::yield_now();
+    }
+    c.node("c2").signal("STOP");
+    let frozen = Instant::now();
+    phase.store(1, Ordering::Relaxed);
+    hold.store(false, Ordering::SeqCst);
+    // Wait until writes to the frozen node's pages were acknowledged by
+    // their new owner: a few of them, each to be read afterwards.
+    let is_victim = |i: usize| read_owner(&map, pages[i]) == Some(victim);
+    let at_freeze: Vec<u64> = acked.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+    let start_wait = Instant::now();
+    let first_ack = loop {
+        std::thread::sleep(Duration::from_millis(50));
+        // The writer's acks are inside its thread: watch the table instead.
+        let moved = c
+            .map()
+            .is_some_and(|m| m.owner.iter().all(|&o| o != victim));
+        let written_since: usize = (0..pages.len())
+            .filter(|&i| is_victim(i) && acked[i].load(Ordering::Relaxed) > at_freeze[i])
+            .count();
+        if moved && written_since >= 3 {
+            break frozen.elapsed();
+        }
+        assert!(
+            start_wait.elapsed() < Duration::from_secs(25),
+            "no write to the frozen node's pages went through"
+        );
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    c.node("c2").signal("CONT");
+    phase.store(2, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+
+    let (acks, werrors, ws) = writer.join().expect("writer");
+    assert!(werrors.is_empty(), "writes failed: {werrors:?}");
+    let victim_acks_frozen: Vec<Instant> = acks
+        .iter()
+        .filter(|a| a.1 == 1 && is_victim(a.0))
+        .map(|a| a.2)
+        .collect();
+    let first_victim_ack = victim_acks_frozen
+        .first()
+        .map(|t| *t - frozen)
+        .expect("a write to the frozen node's pages acknowledged while it was frozen");
+    let mut all_bad = Vec::new();
+    let mut lazy_waits_frozen = 0;
+    let mut lazy_from_frozen = 0;
+    for r in readers {
+        let (name, is_lazy, bad, tally, s) = r.join().expect("reader");
+        eprintln!(
+            "MEASURE {name}: reads warm/frozen/thawed {}/{}/{}; of the victim's pages one-sidedly \
+             from the victim {}/{}/{}; lease waits {}/{}/{}; {} retries, {} FaultIn, {} reconnects",
+            tally[0][0],
+            tally[1][0],
+            tally[2][0],
+            tally[0][1],
+            tally[1][1],
+            tally[2][1],
+            tally[0][2],
+            tally[1][2],
+            tally[2][2],
+            s.retries,
+            s.fault_ins,
+            s.reconnects
+        );
+        assert!(
+            tally[1][0] > 0 && tally[2][0] > 0,
+            "{name} read nothing in a phase"
+        );
+        if is_lazy {
+            lazy_waits_frozen += tally[1][2];
+            lazy_from_frozen += tally[1][1];
+        }
+        all_bad.extend(bad);
+    }
+    eprintln!(
+        "MEASURE frozen owner (lease {lease_ms} ms): extents moved and 3 of its pages rewritten \
+         {} ms after SIGSTOP; first write to its pages acknowledged {} ms after SIGSTOP; \
+         {} writes ({} retries); {} stale or wrong reads",
+        first_ack.as_millis(),
+        first_victim_ack.as_millis(),
+        ws.writes,
+        ws.retries,
+        all_bad.len()
+    );
+    assert!(
+        all_bad.is_empty(),
+        "{} bad reads: {:?}",
+        all_bad.len(),
+        &all_bad[..all_bad.len().min(8)]
+    );
+    assert!(
+        first_victim_ack >= Duration::from_millis(lease_ms),
+        "a write to a frozen owner's extent was acknowledged {first_victim_ack:?} after SIGSTOP, \
+         inside one lease"
+    );
+    assert!(
+        lazy_from_frozen > 0,
+        "the lazy readers never read the frozen owner's memory: the test proves nothing"
+    );
+    assert!(
+        lazy_waits_frozen > 0,
+        "the lazy readers never waited for the trust window while the owner was frozen"
+    );
+    eprintln!(
+        "COVERED writes and reads through a frozen owner, its reassignment and thaw: {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Without a coordinator, the map's trust window runs out: reads then
+/// return `Unavailable` after their deadline, never bytes; they recover
+/// once the coordinator is back.
+#[test]
+fn without_the_coordinator_reads_fail_after_their_deadline_then_recover() {
+    let _serial = serial();
+    let t0 = Instant::now();
+    let lease_ms = 1500;
+    let mut c = Cluster::new(lease_ms);
+    for id in ["d1", "d2"] {
+        c.start_node(id, 2048);
+    }
+    c.wait_stable(2);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let deadline = Duration::from_secs(1);
+    let mut clients: Vec<(&str, ClusterClient)> =
+        [("one-sided", ReadPath::OneSided), ("grpc", ReadPath::Grpc)]
+            .into_iter()
+            .map(|(name, path)| {
+                let cl = ClusterClient::new(
+                    follower.clone(),
+                    TOKEN,
+                    ClientConfig {
+                        path,
+                        op_deadline: deadline,
+                        ..ClientConfig::default()
+                    },
+                )
+                .expect("client");
+                (name, cl)
+            })
+            .collect();
+    let mut rng = SmallRng::seed_from_u64(4);
+    let mut buf = vec![0u8; PS];
+    for (_, cl) in &mut clients {
+        for _ in 0..50 {
+            let p = rng.random_range(0..PAGES);
+            cl.read_page(p, &mut buf).expect("read with a coordinator");
+            check(p, &buf, cl.page_len(p)).expect("right bytes");
+        }
+    }
+    c.coord.as_mut().expect("coordinator").kill9();
+    let killed = Instant::now();
+    let mut last_ok = Duration::ZERO;
+    for (name, cl) in &mut clients {
+        let mut fails = 0;
+        while fails < 3 {
+            assert!(
+                killed.elapsed() < Duration::from_secs(15),
+                "{name}: reads never failed"
+            );
+            let p = rng.random_range(0..PAGES);
+            let t = Instant::now();
+            match cl.read_page(p, &mut buf) {
+                Ok(_) => {
+                    check(p, &buf, cl.page_len(p)).expect("right bytes");
+                    assert_eq!(fails, 0, "{name}: a read succeeded after one failed");
+                    last_ok = last_ok.max(killed.elapsed());
+                }
+                Err(ClientError::Unavailable { waited, last, .. }) => {
+                    let took = t.elapsed();
+                    assert!(
+                        waited >= deadline && took < deadline + Duration::from_millis(1500),
+                        "{name}: Unavailable after {took:?} (deadline {deadline:?}): {last}"
+                    );
+                    if fails == 0 {
+                        eprintln!(
+                            "MEASURE {name}: first Unavailable {} ms after the coordinator's kill, \
+                             after {} ms of retries: {last}",
+                            killed.elapsed().as_millis(),
+                            took.as_millis()
+                        );
+                    }
+                    fails += 1;
+                }
+                Err(e) => panic!("{name}: {e}"),
+            }
+        }
+    }
+    // The window is one lease less the margin from the last confirmation,
+    // sent before the kill.
+    assert!(
+        last_ok < Duration::from_millis(lease_ms),
+        "a read succeeded {last_ok:?} after the coordinator died (lease {lease_ms} ms)"
+    );
+    c.start_coordinator();
+    let restarted = Instant::now();
+    for (name, cl) in &mut clients {
+        loop {
+            assert!(
+                restarted.elapsed() < Duration::from_secs(30),
+                "{name} never recovered"
+            );
+            let p = rng.random_range(0..PAGES);
+            match cl.read_page(p, &mut buf) {
+                Ok(_) => {
+                    check(p, &buf, cl.page_len(p)).expect("right bytes");
+                    break;
+                }
+                Err(ClientError::Unavailable { .. }) => {}
+                Err(e) => panic!("{name}: {e}"),
+            }
+        }
+        eprintln!(
+            "MEASURE {name}: reads again {} ms after the coordinator restarted; {} unavailable",
+            restarted.elapsed().as_millis(),
+            cl.stats().unavailable
+        );
+    }
+    eprintln!(
+        "COVERED a dead coordinator: last good read {} ms after the kill, then Unavailable \
+         after the {} ms deadline, recovery after restart: {:?}",
+        last_ok.as_millis(),
+        deadline.as_millis(),
+        t0.elapsed()
+    );
+}
