@@ -404,6 +404,10 @@ toml_list() {
 [[ -n $hosts_file ]] || hosts_file=$work/hosts.toml
 {
   echo "# written by storm-netns.sh"
+  # The storm itself (and the Redis it compares with) stays in the root
+  # namespace, reached through the bridge.
+  echo "[orchestrator]"
+  echo "ip = $(toml_str "$NET.1")"
   echo "[coordinator]"
   host_exec "$COORD_NS"
   echo "exec = $(toml_list "${EXEC[@]}")"

@@ -13,6 +13,7 @@ mod machine;
 mod plot;
 mod remote;
 mod report;
+mod storm;
 mod transport;
 mod workers;
 
@@ -41,12 +42,47 @@ enum Cmd {
     /// The same pages of one owner read four ways: one-sided over `shm` and
     /// `tcp`, the two-sided gRPC `Read`, and Redis GET; owner CPU per read.
     Remote(remote::Args),
+    /// The distributed fault storm: a coordinator, M nodes and C reader
+    /// processes; one-sided vs gRPC vs Redis vs pread side by side, then a
+    /// storm with writes and a fault schedule (kill, restart, pause, cut).
+    Storm(Box<storm::Args>),
+    /// The whole system in one command: a 3-node cluster on loopback, a
+    /// storm with a node killed and restarted, the table and the plots.
+    Demo(storm::DemoArgs),
+    /// A reader process of `storm` (started by it; not for direct use).
+    #[command(hide = true)]
+    StormReader(storm::reader::ReaderArgs),
     /// The owner process of `remote` (started by it; not for direct use).
     #[command(hide = true)]
     RemoteOwner(remote::owner::OwnerArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    // `storm` and `demo` run the cluster's daemons as children of this
+    // executable: `pagewire-bench node …` is `pagewire-node …`, and
+    // `pagewire-bench coordinator …` is `pagewire-coordinator …`.
+    let sub = std::env::args_os().nth(1);
+    let rest = || std::env::args_os().skip(2);
+    if sub.as_deref() == Some("node".as_ref()) {
+        return pagewire_node::daemon::cli::main_from(
+            std::iter::once("pagewire-node".into()).chain(rest()),
+        );
+    }
+    if sub.as_deref() == Some("coordinator".as_ref()) {
+        return pagewire_coordinator::cli::main_from(
+            std::iter::once("pagewire-coordinator".into()).chain(rest()),
+        );
+    }
+    match bench() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
@@ -58,5 +94,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Transport(a) => transport::run(&a),
         Cmd::Remote(a) => remote::run(&a),
         Cmd::RemoteOwner(a) => remote::owner::serve(&a),
+        Cmd::Storm(a) => storm::run(&a),
+        Cmd::Demo(a) => storm::demo(&a),
+        Cmd::StormReader(a) => storm::reader::run(&a),
     }
 }

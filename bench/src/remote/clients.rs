@@ -226,13 +226,21 @@ pub struct Redis {
     own: Counters,
 }
 
-fn key(p: u64) -> String {
-    format!("page:{p}")
+/// The key of a page: `key:` and 12 digits, the names `redis-benchmark -r`
+/// generates for `key:__rand_int__`, so it reads the same values.
+pub fn key(p: u64) -> String {
+    format!("key:{p:012}")
 }
 
 impl Redis {
     pub fn connect(port: u16) -> anyhow::Result<Self> {
-        let w = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+        Self::connect_to(&format!("{}:{port}", Ipv4Addr::LOCALHOST))
+    }
+
+    /// Connects to `host:port`.
+    pub fn connect_to(addr: &str) -> anyhow::Result<Self> {
+        let w =
+            TcpStream::connect(addr).with_context(|| format!("connecting to redis at {addr}"))?;
         w.set_nodelay(true)?;
         let r = BufReader::with_capacity(256 << 10, w.try_clone()?);
         Ok(Self {
@@ -275,6 +283,36 @@ impl Redis {
         self.r.read_exact(&mut self.val)?;
         let mut crlf = [0u8; 2];
         self.r.read_exact(&mut crlf)?;
+        Ok(())
+    }
+
+    /// A numeric field of `INFO` (e.g. `keyspace_misses`).
+    pub fn info_field(&mut self, field: &str) -> anyhow::Result<u64> {
+        self.req.clear();
+        Self::push_cmd(&mut self.req, &[b"INFO", b"stats"]);
+        self.w.write_all(&self.req)?;
+        let l = self.line()?.to_owned();
+        let n: usize = l
+            .strip_prefix('$')
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("unexpected INFO reply {l:?}"))?;
+        let mut body = vec![0u8; n + 2];
+        self.r.read_exact(&mut body)?;
+        let text = String::from_utf8_lossy(&body);
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{field}:")))
+            .and_then(|v| v.trim().parse().ok())
+            .with_context(|| format!("INFO has no {field}"))
+    }
+
+    /// GET of one page into `out` (unverified: the caller verifies).
+    pub fn get(&mut self, page: u64, out: &mut [u8]) -> anyhow::Result<()> {
+        self.req.clear();
+        let k = key(page);
+        Self::push_cmd(&mut self.req, &[b"GET", k.as_bytes()]);
+        self.w.write_all(&self.req)?;
+        self.bulk()?;
+        out[..PAGE].copy_from_slice(&self.val);
         Ok(())
     }
 

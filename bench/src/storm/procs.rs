@@ -1,0 +1,481 @@
+//! The storm's processes: a coordinator, the nodes and the readers, each
+//! started as a child (this executable's hidden `coordinator`, `node` and
+//! `storm-reader` commands, or the real binaries of `--bin-dir`), on
+//! loopback or on the hosts of a `--hosts` file (network namespaces), and
+//! the faults done to them.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::v1::{GetMapRequest, NodeState, OwnershipMap};
+use serde::Deserialize;
+
+/// One host of a `--hosts` file: the command prefix that runs a program
+/// there, and its address.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Host {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub exec: Vec<String>,
+    pub ip: String,
+    /// Cuts the host off the network (a `--cut` event).
+    #[serde(default)]
+    pub cut: Vec<String>,
+    /// Heals it (a `--heal` event).
+    #[serde(default)]
+    pub heal: Vec<String>,
+}
+
+/// The hosts file (bench/scripts/storm-netns.sh writes one).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hosts {
+    pub coordinator: Host,
+    #[serde(default)]
+    pub node: Vec<Host>,
+    #[serde(default)]
+    pub reader: Vec<Host>,
+    /// Where this process (and Redis) is reached from the hosts.
+    #[serde(default)]
+    pub orchestrator: Option<Host>,
+}
+
+impl Hosts {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the hosts file {}", path.display()))?;
+        let h: Hosts = toml::from_str(&text)
+            .with_context(|| format!("parsing the hosts file {}", path.display()))?;
+        if h.node.is_empty() || h.reader.is_empty() {
+            bail!(
+                "{}: needs at least one [[node]] and one [[reader]]",
+                path.display()
+            );
+        }
+        Ok(h)
+    }
+
+    /// Every process on this machine's loopback.
+    pub fn loopback(nodes: usize) -> Self {
+        let lo = |name: String| Host {
+            name,
+            ip: "127.0.0.1".into(),
+            ..Host::default()
+        };
+        Hosts {
+            coordinator: lo("coordinator".into()),
+            node: (1..=nodes).map(|i| lo(format!("node-{i}"))).collect(),
+            reader: vec![lo("reader".into())],
+            orchestrator: Some(lo("bench".into())),
+        }
+    }
+}
+
+/// What runs the cluster's programs.
+#[derive(Clone, Debug)]
+pub enum Programs {
+    /// This executable's hidden `coordinator` and `node` commands.
+    SelfExe(PathBuf),
+    /// The real binaries in a folder.
+    Dir(PathBuf),
+}
+
+impl Programs {
+    pub fn new(bin_dir: Option<&Path>) -> anyhow::Result<Self> {
+        match bin_dir {
+            Some(d) => {
+                for b in ["pagewire-coordinator", "pagewire-node"] {
+                    if !d.join(b).exists() {
+                        bail!("--bin-dir {}: no {b} there", d.display());
+                    }
+                }
+                Ok(Programs::Dir(d.to_owned()))
+            }
+            None => Ok(Programs::SelfExe(
+                std::env::current_exe().context("finding this executable")?,
+            )),
+        }
+    }
+
+    fn command(&self, host: &Host, program: &str) -> Command {
+        let (bin, sub): (PathBuf, Option<&str>) = match self {
+            Programs::SelfExe(exe) => (exe.clone(), Some(program)),
+            Programs::Dir(d) => (d.join(format!("pagewire-{program}")), None),
+        };
+        let mut c = match host.exec.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        if let Some(s) = sub {
+            c.arg(s);
+        }
+        c
+    }
+
+    /// A reader process on `host` (always this executable).
+    pub fn reader(&self, host: &Host) -> anyhow::Result<Command> {
+        let exe = std::env::current_exe().context("finding this executable")?;
+        let mut c = match host.exec.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        c.arg("storm-reader");
+        die_with_parent(&mut c);
+        Ok(c)
+    }
+}
+
+/// The child gets SIGKILL when this process dies (any way), so an
+/// interrupted storm leaves no process behind.
+pub fn die_with_parent(c: &mut Command) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no
+    // memory of the parent; it runs in the child between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A started program, killed on drop.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    cmd_line: Vec<String>,
+    log: PathBuf,
+    paused: bool,
+}
+
+impl Proc {
+    fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
+        let cmd_line = std::iter::once(cmd.get_program())
+            .chain(cmd.get_args())
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect();
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("creating {}", log.display()))?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(f)
+            .env("RUST_LOG", "warn");
+        die_with_parent(&mut cmd);
+        let child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child: Some(child),
+            cmd_line,
+            log,
+            paused: false,
+        })
+    }
+
+    fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if self.paused {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.paused = false;
+    }
+
+    pub fn signal(&mut self, sig: libc::c_int) -> anyhow::Result<()> {
+        let Some(pid) = self.pid() else {
+            bail!("{} is not running", self.name);
+        };
+        // SAFETY: kill(2) on our own child's pid, which we have not reaped.
+        if unsafe { libc::kill(pid, sig) } != 0 {
+            bail!(
+                "signal {sig} to {}: {}",
+                self.name,
+                std::io::Error::last_os_error()
+            );
+        }
+        self.paused = sig == libc::SIGSTOP;
+        Ok(())
+    }
+
+    /// Whether it exited, and how.
+    pub fn exited(&mut self) -> Option<String> {
+        match self.child.as_mut().map(|c| c.try_wait()) {
+            None => Some("killed by the storm".into()),
+            Some(Ok(Some(s))) => Some(s.to_string()),
+            Some(Ok(None)) => None,
+            Some(Err(e)) => Some(e.to_string()),
+        }
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    pub fn describe(&self) -> String {
+        self.cmd_line.join(" ")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Everything the cluster's processes need.
+pub struct ClusterSpec {
+    pub programs: Programs,
+    pub hosts: Hosts,
+    pub dir: PathBuf,
+    pub file: PathBuf,
+    pub token_file: PathBuf,
+    pub frames_per_node: usize,
+    pub lease_ms: u64,
+    pub coordinator_port: u16,
+    pub shm: bool,
+}
+
+/// The coordinator and the nodes.
+pub struct Cluster {
+    pub spec: ClusterSpec,
+    pub coordinator: Proc,
+    pub nodes: Vec<Proc>,
+}
+
+pub fn free_port(ip: &str) -> anyhow::Result<u16> {
+    // On a namespace host the port is picked in the root namespace: any
+    // high port is as free there, and the coordinator reports a clash.
+    let ip = if ip.starts_with("127.") {
+        ip
+    } else {
+        "127.0.0.1"
+    };
+    Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port())
+}
+
+impl ClusterSpec {
+    pub fn coordinator_addr(&self) -> String {
+        format!("{}:{}", self.hosts.coordinator.ip, self.coordinator_port)
+    }
+
+    fn start_coordinator(&self) -> anyhow::Result<Proc> {
+        let h = &self.hosts.coordinator;
+        let mut c = self.programs.command(h, "coordinator");
+        c.arg("--listen")
+            .arg(self.coordinator_addr())
+            .args(["--metrics-listen", ""])
+            .arg("--state-file")
+            .arg(self.dir.join("coordinator.state"))
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .arg("--lease-ms")
+            .arg(self.lease_ms.to_string());
+        Proc::spawn("coordinator", c, self.dir.join("coordinator.log"))
+    }
+
+    /// Node `i` (0-based): id `node-{i+1}`.
+    fn start_node(&self, i: usize) -> anyhow::Result<Proc> {
+        let h = &self.hosts.node[i];
+        let name = format!("node-{}", i + 1);
+        let config = self.dir.join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[transports]\nshm = {}\nshm_dir = {:?}\ntcp = true\n",
+                self.shm,
+                self.dir.join("shm").display().to_string()
+            ),
+        )?;
+        std::fs::create_dir_all(self.dir.join("shm"))?;
+        let mut c = self.programs.command(h, "node");
+        c.arg("--config")
+            .arg(&config)
+            .args(["--node-id", &name])
+            .arg("--backing-file")
+            .arg(&self.file)
+            .arg("--listen")
+            .arg(format!("{}:0", h.ip))
+            .args(["--metrics-listen", ""])
+            .arg("--coordinator")
+            .arg(self.coordinator_addr())
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .arg("--frames")
+            .arg(self.frames_per_node.to_string());
+        Proc::spawn(&name, c, self.dir.join(format!("{name}.log")))
+    }
+}
+
+/// A current-thread runtime for the orchestrator's own RPCs.
+pub fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// The coordinator's current map.
+pub fn get_map(addr: &str, token: &str) -> anyhow::Result<OwnershipMap> {
+    rt()?.block_on(async {
+        let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
+        let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
+        let m = tokio::time::timeout(Duration::from_secs(2), c.get_map(GetMapRequest {}))
+            .await
+            .context("GetMap timed out")??
+            .into_inner();
+        Ok(m)
+    })
+}
+
+/// Whether `m` has `nodes` live nodes, every extent owned, no handoff.
+pub fn settled(m: &OwnershipMap, nodes: usize) -> bool {
+    let alive = m
+        .nodes
+        .iter()
+        .filter(|n| n.state == NodeState::Alive as i32)
+        .count();
+    alive == nodes
+        && m.epoch > 0
+        && !m.owner.is_empty()
+        && m.owner.iter().all(|&o| o != 0)
+        && m.previous_owner.iter().all(|&o| o == 0)
+}
+
+impl Cluster {
+    /// Starts the coordinator and every node and waits (bounded) until the
+    /// map has settled with all of them.
+    pub fn start(spec: ClusterSpec, token: &str, stop: &dyn Fn() -> bool) -> anyhow::Result<Self> {
+        let coordinator = spec.start_coordinator()?;
+        let mut c = Cluster {
+            coordinator,
+            nodes: Vec::new(),
+            spec,
+        };
+        for i in 0..c.spec.hosts.node.len() {
+            let h = &c.spec.hosts.node[i];
+            if !h.exec.is_empty() {
+                eprintln!("storm: node-{} on host {} ({})", i + 1, h.name, h.ip);
+            }
+            let n = c.spec.start_node(i)?;
+            c.nodes.push(n);
+        }
+        c.wait_settled(token, Duration::from_secs(60), stop)?;
+        Ok(c)
+    }
+
+    pub fn wait_settled(
+        &mut self,
+        token: &str,
+        limit: Duration,
+        stop: &dyn Fn() -> bool,
+    ) -> anyhow::Result<OwnershipMap> {
+        let deadline = Instant::now() + limit;
+        let want = self.nodes.len();
+        loop {
+            if stop() {
+                bail!("interrupted");
+            }
+            for p in std::iter::once(&mut self.coordinator).chain(self.nodes.iter_mut()) {
+                if let Some(how) = p.exited() {
+                    bail!(
+                        "{} exited ({how}) while the cluster started\n  command: {}\n{}",
+                        p.name,
+                        p.describe(),
+                        p.log_tail()
+                    );
+                }
+            }
+            if let Ok(m) = get_map(&self.spec.coordinator_addr(), token)
+                && settled(&m, want)
+            {
+                return Ok(m);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the cluster did not settle within {limit:?} (logs in {})",
+                    self.spec.dir.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The process a fault names (`coordinator` or `node-N`).
+    pub fn proc_mut(&mut self, target: &str) -> anyhow::Result<&mut Proc> {
+        if target == "coordinator" {
+            return Ok(&mut self.coordinator);
+        }
+        self.nodes
+            .iter_mut()
+            .find(|p| p.name == target)
+            .with_context(|| format!("no process {target:?} in this storm"))
+    }
+
+    pub fn restart(&mut self, target: &str) -> anyhow::Result<()> {
+        let fresh = if target == "coordinator" {
+            self.spec.start_coordinator()?
+        } else {
+            let i = self
+                .nodes
+                .iter()
+                .position(|p| p.name == target)
+                .with_context(|| format!("no process {target:?} in this storm"))?;
+            self.spec.start_node(i)?
+        };
+        let p = self.proc_mut(target)?;
+        p.kill();
+        *p = fresh;
+        Ok(())
+    }
+
+    /// Runs a host's `cut` or `heal` command.
+    pub fn net(&self, target: &str, heal: bool) -> anyhow::Result<()> {
+        let i = self
+            .nodes
+            .iter()
+            .position(|p| p.name == target)
+            .with_context(|| format!("--cut/--heal: no node {target:?}"))?;
+        let h = &self.spec.hosts.node[i];
+        let cmd = if heal { &h.heal } else { &h.cut };
+        let Some((first, rest)) = cmd.split_first() else {
+            bail!(
+                "{target}: the hosts file gives no {} command",
+                if heal { "heal" } else { "cut" }
+            );
+        };
+        let st = Command::new(first)
+            .args(rest)
+            .status()
+            .with_context(|| format!("running {cmd:?}"))?;
+        if !st.success() {
+            bail!("{cmd:?}: {st}");
+        }
+        Ok(())
+    }
+}
