@@ -81,6 +81,16 @@ pub fn incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
+/// HTTP/2 PING interval while a call or stream is open. Short, because a
+/// connection that silently lost its peer (a partition) otherwise outlives
+/// the partition: TCP's retransmission backoff then delays the first reply
+/// after the network heals by seconds, past the callers' timeouts, and a
+/// node cut off for 10 s took 5 s more to rejoin (and re-registered twice).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+/// A PING unanswered this long closes the connection; the next call opens
+/// a fresh one.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Builds an endpoint (`TCP_NODELAY` on) for `address` (`host:port` or a full `http(s)://` URL),
 /// with TLS when `tls` is given.
 pub fn endpoint(
@@ -101,8 +111,8 @@ pub fn endpoint(
     ep = ep
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5));
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT);
     if let Some(tls) = tls {
         let cfg = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(read(&tls.ca_file)?))

@@ -771,6 +771,8 @@ fn run_phase(
 }
 
 fn add_tick(bins: &Mutex<Vec<(u64, u64, u64)>>, t: &Tick) {
+    // The bin that ends at the tick's boundary (the last, partial tick
+    // closes no boundary: it goes into the bin it falls in).
     let i = (t.t_ms.saturating_sub(1) / BIN_MS) as usize;
     let mut b = bins.lock().unwrap_or_else(|e| e.into_inner());
     if b.len() <= i {

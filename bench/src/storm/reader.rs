@@ -103,7 +103,11 @@ pub struct ReaderArgs {
 /// One interval's counts (one JSON line).
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct Tick {
-    /// End of the interval, in ms since the common start instant.
+    /// The interval boundary this tick closes, in ms since the common start
+    /// instant: the counts are of operations completed before it (and the
+    /// one that crossed it). A tick is printed after the operation that
+    /// crosses a boundary, so stamping the print time would shift a late
+    /// print into the next interval.
     pub t_ms: u64,
     /// Pages read and verified.
     pub ok: u64,
@@ -441,7 +445,8 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
         }
         let now = Instant::now();
         if now >= next_tick {
-            st.tick.t_ms = t0.elapsed().as_millis() as u64;
+            let iv = interval.as_millis() as u64;
+            st.tick.t_ms = (now - t0).as_millis() as u64 / iv * iv;
             if let Some(w) = &writer {
                 let n = w.writes.load(Ordering::Relaxed);
                 st.tick.wr = n - st.fin.writes;
