@@ -96,6 +96,11 @@ pub struct Args {
     /// runs).
     #[arg(long, default_value_t = 0.5)]
     pub cache_fraction: f64,
+    /// Fault the whole file in before the phases (the coordinator's Warm):
+    /// with --cache-fraction 1 every read is then a hit, the comparison of
+    /// the paths without misses.
+    #[arg(long)]
+    pub warm: bool,
     /// Fraction of the storm's operations that write a page.
     #[arg(long, default_value_t = 0.01)]
     pub writer_fraction: f64,
@@ -205,6 +210,7 @@ pub fn demo(d: &DemoArgs) -> anyhow::Result<()> {
         touch_run: 64,
         file_mib: if d.quick { 64 } else { d.file_mib },
         cache_fraction: 0.5,
+        warm: false,
         writer_fraction: 0.01,
         duration: Duration::from_secs_f64(storm_s),
         compare_duration: Duration::from_secs(if d.quick { 2 } else { 4 }),
@@ -415,6 +421,14 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         bail!("the cluster's page size is {page_size}; the storm reads 4 KiB pages");
     }
     let pages = map.file_size.div_ceil(page_size);
+    if a.warm {
+        let t = Instant::now();
+        let n = procs::warm(&coordinator, &token, map.file_size)?;
+        eprintln!(
+            "storm: warmed {n} pages in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+    }
     let acked = dir.join("acked");
     reader::Acked::create(&acked, pages)?;
 

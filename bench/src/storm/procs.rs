@@ -353,6 +353,36 @@ pub fn get_map(addr: &str, token: &str) -> anyhow::Result<OwnershipMap> {
     })
 }
 
+/// Faults the whole file in across the cluster (the coordinator's `Warm`,
+/// as `pwctl warm`); returns the pages the nodes faulted in. Fails when a
+/// node reported an error.
+pub fn warm(addr: &str, token: &str, file_size: u64) -> anyhow::Result<u64> {
+    rt()?.block_on(async {
+        let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
+        let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
+        let r = tokio::time::timeout(
+            Duration::from_secs(300),
+            c.warm(pagewire_proto::v1::ClusterRangeRequest {
+                range: Some(pagewire_proto::v1::ByteRange {
+                    offset: 0,
+                    length: file_size,
+                }),
+            }),
+        )
+        .await
+        .context("Warm timed out")??
+        .into_inner();
+        let mut pages = 0;
+        for n in &r.results {
+            if !n.error.is_empty() {
+                bail!("warming {}: {}", n.node_id, n.error);
+            }
+            pages += n.pages;
+        }
+        Ok(pages)
+    })
+}
+
 /// Whether `m` has `nodes` live nodes, every extent owned, no handoff.
 pub fn settled(m: &OwnershipMap, nodes: usize) -> bool {
     let alive = m
