@@ -10,15 +10,42 @@ use crate::persist::PersistError;
 pub enum CoordError {
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("unknown node {0:?}")]
+    #[error("unknown node {}", quoted(.0))]
     UnknownNode(String),
-    #[error("stale incarnation for node {node_id:?}: it registered again since; register anew")]
+    #[error(
+        "stale incarnation for node {}: it registered again since; register anew",
+        quoted(.node_id)
+    )]
     StaleIncarnation { node_id: String },
-    #[error("node {node_id:?} is {state}")]
+    #[error("node {} is {state}", quoted(.node_id))]
     NotAlive {
         node_id: String,
         state: &'static str,
     },
+    #[error(
+        "node id {} is in use: incarnation {incarnation} at {address} holds a live lease that \
+         ends in {lease_remaining_ms} ms; stop that process or pick another --node-id (a node \
+         restarted at a new address may register once that lease has run out)",
+        quoted(.node_id)
+    )]
+    NodeIdInUse {
+        node_id: String,
+        address: String,
+        incarnation: u64,
+        lease_remaining_ms: u64,
+    },
+    #[error(
+        "incarnation {incarnation} of node {} left the cluster: leaving is final for a process; \
+         start a new one to rejoin",
+        quoted(.node_id)
+    )]
+    Left { node_id: String, incarnation: u64 },
+    #[error(
+        "draining node {} would leave no alive node to take its {extents} extents: start or \
+         undrain another node first",
+        quoted(.node_id)
+    )]
+    NoNodeLeft { node_id: String, extents: u64 },
     #[error("node reports a {node} byte backing file but the cluster's is {cluster} bytes")]
     FileSizeMismatch { cluster: u64, node: u64 },
     #[error("node uses {node} byte pages but the cluster uses {cluster} byte pages")]
@@ -28,6 +55,28 @@ pub enum CoordError {
     #[error("cannot save the coordinator state: {0}")]
     Persist(#[from] PersistError),
 }
+
+/// Longest piece of a request echoed into an error message.
+pub const ECHO_MAX: usize = 64;
+
+/// `s`, cut to [`ECHO_MAX`] characters with an ellipsis: a request field
+/// echoed into a status message, which must stay small whatever was sent
+/// (gRPC metadata is limited to 16 KiB).
+pub fn clip(s: &str) -> String {
+    match s.char_indices().nth(ECHO_MAX) {
+        None => s.to_owned(),
+        Some((cut, _)) => format!("{}…", &s[..cut]),
+    }
+}
+
+/// `s` clipped (see [`clip`]) and quoted as `{:?}` does.
+pub fn quoted(s: &str) -> String {
+    format!("{:?}", clip(s))
+}
+
+/// Metadata entry of an ALREADY_EXISTS registration refusal: milliseconds
+/// until the live lease holding the node id runs out.
+pub const LEASE_REMAINING_KEY: &str = "pagewire-lease-remaining-ms";
 
 /// Human name of a node state, as `pwctl` shows it.
 pub fn state_name(state: NodeState) -> &'static str {
@@ -49,8 +98,18 @@ impl From<CoordError> for tonic::Status {
             | CoordError::FileSizeMismatch { .. }
             | CoordError::PageSizeMismatch { .. } => tonic::Status::invalid_argument(msg),
             CoordError::UnknownNode(_) => tonic::Status::not_found(msg),
-            CoordError::StaleIncarnation { .. } | CoordError::NotAlive { .. } => {
-                tonic::Status::failed_precondition(msg)
+            CoordError::StaleIncarnation { .. }
+            | CoordError::NotAlive { .. }
+            | CoordError::Left { .. }
+            | CoordError::NoNodeLeft { .. } => tonic::Status::failed_precondition(msg),
+            CoordError::NodeIdInUse {
+                lease_remaining_ms, ..
+            } => {
+                let mut s = tonic::Status::already_exists(msg);
+                if let Ok(v) = lease_remaining_ms.to_string().parse() {
+                    s.metadata_mut().insert(LEASE_REMAINING_KEY, v);
+                }
+                s
             }
             CoordError::NoFile => tonic::Status::failed_precondition(msg),
             CoordError::Persist(_) => {

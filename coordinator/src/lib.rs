@@ -9,7 +9,7 @@
 //! persists its state atomically ([`persist`]). Data never flows through it.
 //!
 //! It depends on `pagewire-proto` only: never on the node, the transports or
-//! the bench. The `pwctl` admin CLI lives here too (`src/bin/pwctl.rs`).
+//! the bench. The `pwctl` admin CLI lives here too (`src/bin/pwctl/`).
 
 pub mod cli;
 pub mod config;

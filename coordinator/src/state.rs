@@ -36,7 +36,7 @@ use pagewire_proto::v1::{
 };
 use tokio::sync::watch;
 
-use crate::error::{CoordError, state_name};
+use crate::error::{CoordError, quoted, state_name};
 use crate::metrics::Metrics;
 use crate::persist::{self, PersistedState};
 use crate::rendezvous::{self, Candidate};
@@ -98,7 +98,20 @@ fn validate_node_id(id: &str) -> Result<(), CoordError> {
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
     {
         return Err(CoordError::InvalidArgument(format!(
-            "node_id {id:?} may only hold letters, digits, '.', '_' and '-'"
+            "node_id {} may only hold letters, digits, '.', '_' and '-'",
+            quoted(id)
+        )));
+    }
+    Ok(())
+}
+
+/// A free-form string field of a request: at most `max` bytes.
+fn validate_len(field: &str, value: &str, max: usize) -> Result<(), CoordError> {
+    if value.len() > max {
+        return Err(CoordError::InvalidArgument(format!(
+            "{field} is {} bytes, at most {max} are allowed: {}",
+            value.len(),
+            quoted(value)
         )));
     }
     Ok(())
@@ -120,7 +133,8 @@ fn validate_address(field: &str, addr: &str, required: bool) -> Result<(), Coord
         Ok(())
     } else {
         Err(CoordError::InvalidArgument(format!(
-            "{field} {addr:?} is not host:port"
+            "{field} {} is not host:port",
+            quoted(addr)
         )))
     }
 }
@@ -518,15 +532,28 @@ impl Cluster {
                 "at most 64 transport descriptors".into(),
             ));
         }
-        if req
-            .topology
-            .as_ref()
-            .is_some_and(|t| t.numa_nodes.len() > 4096)
-        {
-            return Err(CoordError::InvalidArgument(
-                "at most 4096 NUMA nodes".into(),
-            ));
+        for t in &req.transports {
+            validate_len("transport kind", &t.kind, 64)?;
+            validate_len("transport endpoint", &t.endpoint, 1024)?;
+            if t.opaque.len() > 4096 {
+                return Err(CoordError::InvalidArgument(
+                    "a transport's opaque field is limited to 4096 bytes".into(),
+                ));
+            }
         }
+        if let Some(t) = &req.topology {
+            if t.numa_nodes.len() > 4096 {
+                return Err(CoordError::InvalidArgument(
+                    "at most 4096 NUMA nodes".into(),
+                ));
+            }
+            if t.numa_nodes.iter().map(|n| n.cpus.len()).sum::<usize>() > 1 << 20 {
+                return Err(CoordError::InvalidArgument("at most 1 Mi CPUs".into()));
+            }
+            validate_len("topology source", &t.source, 64)?;
+            validate_len("topology hostname", &t.hostname, 256)?;
+        }
+        self.check_identity(&req, Instant::now())?;
         if self.file_size == 0 {
             if req.file_size.div_ceil(self.params.extent_size) > 1 << 24 {
                 return Err(CoordError::InvalidArgument(
@@ -590,6 +617,46 @@ impl Cluster {
         })
     }
 
+    /// Refuses a registration that would take `req.node_id` from another
+    /// live process, or bring back an incarnation that left.
+    ///
+    /// The restart rule: a registration for an id whose lease another
+    /// incarnation holds is accepted only from that incarnation itself (it
+    /// sends it as `previous_incarnation` after losing its own lease) or at
+    /// the same `grpc_address` (two live processes cannot listen on one
+    /// address, so that is a restart in place). A process restarted at
+    /// another address is refused until the old lease runs out, at most one
+    /// lease; the node waits that long once and registers again.
+    fn check_identity(&self, req: &RegisterRequest, now: Instant) -> Result<(), CoordError> {
+        let Some(m) = self.members.get(&req.node_id) else {
+            return Ok(());
+        };
+        let same_incarnation =
+            req.previous_incarnation != 0 && req.previous_incarnation == m.info.incarnation;
+        if same_incarnation && m.info.state() == NodeState::Left {
+            return Err(CoordError::Left {
+                node_id: req.node_id.clone(),
+                incarnation: m.info.incarnation,
+            });
+        }
+        let remaining = m
+            .lease_deadline
+            .filter(|_| holds_lease(m.info.state()))
+            .map(|d| d.saturating_duration_since(now))
+            .filter(|r| !r.is_zero());
+        match remaining {
+            Some(r) if !same_incarnation && m.info.grpc_address != req.grpc_address => {
+                Err(CoordError::NodeIdInUse {
+                    node_id: req.node_id.clone(),
+                    address: m.info.grpc_address.clone(),
+                    incarnation: m.info.incarnation,
+                    lease_remaining_ms: u64::try_from(r.as_millis()).unwrap_or(u64::MAX).max(1),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn lease_ms(&self) -> u64 {
         u64::try_from(self.params.lease.as_millis()).unwrap_or(u64::MAX)
     }
@@ -625,6 +692,7 @@ impl Cluster {
         &mut self,
         req: HeartbeatRequest,
     ) -> Result<HeartbeatResponse, CoordError> {
+        validate_node_id(&req.node_id)?;
         let lease = self.params.lease;
         let epoch = self.epoch;
         let m = self.member_checked(&req.node_id, req.incarnation)?;
@@ -643,6 +711,7 @@ impl Cluster {
     }
 
     pub(crate) fn leave(&mut self, node_id: &str, incarnation: u64) -> Result<u64, CoordError> {
+        validate_node_id(node_id)?;
         let m = self.member_checked(node_id, incarnation)?;
         m.info.set_state(NodeState::Left);
         m.lease_deadline = None;
@@ -674,13 +743,25 @@ impl Cluster {
 
     /// Starts moving every extent off `node_id`. Returns the new epoch and
     /// how many extents the node owned.
+    /// Refused when no other alive node would be left to take its extents.
     pub(crate) fn drain(&mut self, node_id: &str) -> Result<(u64, u64), CoordError> {
+        validate_node_id(node_id)?;
+        let others_alive = self
+            .members
+            .values()
+            .any(|m| m.info.node_id != node_id && m.info.state() == NodeState::Alive);
         let m = self
             .members
             .get_mut(node_id)
             .ok_or_else(|| CoordError::UnknownNode(node_id.to_owned()))?;
         let index = m.info.index;
         match m.info.state() {
+            NodeState::Alive if !others_alive => {
+                return Err(CoordError::NoNodeLeft {
+                    node_id: node_id.to_owned(),
+                    extents: self.owner.iter().filter(|&&o| o == index).count() as u64,
+                });
+            }
             NodeState::Alive => m.info.set_state(NodeState::Draining),
             NodeState::Draining | NodeState::Drained => {}
             s => {
@@ -700,6 +781,7 @@ impl Cluster {
     }
 
     pub(crate) fn undrain(&mut self, node_id: &str) -> Result<u64, CoordError> {
+        validate_node_id(node_id)?;
         let m = self
             .members
             .get_mut(node_id)
@@ -961,5 +1043,163 @@ mod tests {
             c.register(r),
             Err(CoordError::FileSizeMismatch { .. })
         ));
+    }
+
+    fn hb(c: &mut Cluster, id: &str, incarnation: u64) -> Result<HeartbeatResponse, CoordError> {
+        c.heartbeat(HeartbeatRequest {
+            node_id: id.into(),
+            incarnation,
+            applied_epoch: c.epoch,
+            stats: None,
+        })
+    }
+
+    #[test]
+    fn a_live_node_id_is_not_taken_by_another_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let real = c.register(reg("n")).unwrap();
+        let epoch = c.epoch;
+        // A second process with the same id at another address.
+        let mut dup = reg("n");
+        dup.grpc_address = "127.0.0.1:10".into();
+        let e = c.register(dup.clone()).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, CoordError::NodeIdInUse { .. }), "{msg}");
+        assert!(msg.contains("127.0.0.1:9") && msg.contains("ms"), "{msg}");
+        let status = tonic::Status::from(e);
+        assert_eq!(status.code(), tonic::Code::AlreadyExists);
+        let remaining: u64 = status
+            .metadata()
+            .get(crate::error::LEASE_REMAINING_KEY)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=500).contains(&remaining), "{remaining}");
+        assert_eq!(c.epoch, epoch, "a refused registration changed the map");
+        assert_eq!(c.members["n"].info.incarnation, real.incarnation);
+        hb(&mut c, "n", real.incarnation).unwrap();
+
+        // The same process, after losing its own lease, takes over.
+        let mut again = reg("n");
+        again.previous_incarnation = real.incarnation;
+        let second = c.register(again).unwrap();
+        assert_ne!(second.incarnation, real.incarnation);
+        // A restart in place (same address, a new process) takes over.
+        let third = c.register(reg("n")).unwrap();
+        assert_eq!(third.node_index, real.node_index);
+        // Once the lease ran out, a process at a new address takes over.
+        c.expire_leases(Instant::now() + Duration::from_secs(1))
+            .unwrap();
+        let moved = c.register(dup).unwrap();
+        assert_eq!(moved.node_index, real.node_index);
+        assert_eq!(c.members["n"].info.grpc_address, "127.0.0.1:10");
+    }
+
+    #[test]
+    fn an_incarnation_that_left_never_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        c.register(reg("a")).unwrap();
+        let b = c.register(reg("b")).unwrap();
+        c.leave("b", b.incarnation).unwrap();
+        let epoch = c.epoch;
+        assert!(matches!(
+            hb(&mut c, "b", b.incarnation),
+            Err(CoordError::NotAlive { .. })
+        ));
+        let mut again = reg("b");
+        again.previous_incarnation = b.incarnation;
+        let e = c.register(again).unwrap_err();
+        assert!(matches!(e, CoordError::Left { .. }), "{e}");
+        assert_eq!(
+            tonic::Status::from(e).code(),
+            tonic::Code::FailedPrecondition
+        );
+        assert_eq!(c.epoch, epoch);
+        assert_eq!(c.members["b"].info.state(), NodeState::Left);
+        assert_eq!(count(&c, b.node_index), 0);
+        // A new process with that id joins.
+        c.register(reg("b")).unwrap();
+        assert_eq!(c.members["b"].info.state(), NodeState::Alive);
+    }
+
+    #[test]
+    fn draining_the_last_alive_node_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let a = c.register(reg("a")).unwrap();
+        let e = c.drain("a").unwrap_err();
+        assert!(
+            matches!(e, CoordError::NoNodeLeft { extents: 4096, .. }),
+            "{e}"
+        );
+        assert_eq!(c.members["a"].info.state(), NodeState::Alive);
+        assert_eq!(count(&c, a.node_index), 4096);
+        c.register(reg("b")).unwrap();
+        c.drain("a").unwrap();
+        let e = c.drain("b").unwrap_err();
+        assert!(e.to_string().contains("no alive node"), "{e}");
+        assert_eq!(
+            tonic::Status::from(e).code(),
+            tonic::Code::FailedPrecondition
+        );
+        c.undrain("a").unwrap();
+        c.drain("b").unwrap();
+    }
+
+    #[test]
+    fn huge_ids_and_fields_are_refused_with_short_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let a = c.register(reg("a")).unwrap();
+        let huge = "x".repeat(70_000);
+        let errors = [
+            hb(&mut c, &huge, a.incarnation).unwrap_err(),
+            c.leave(&huge, a.incarnation).unwrap_err(),
+            c.drain(&huge).unwrap_err(),
+            c.undrain(&huge).unwrap_err(),
+            c.register(reg(&huge)).unwrap_err(),
+            c.register(reg(&format!("{huge}!"))).unwrap_err(),
+            c.register(RegisterRequest {
+                grpc_address: huge.clone(),
+                ..reg("b")
+            })
+            .unwrap_err(),
+            c.register(RegisterRequest {
+                topology: Some(pagewire_proto::v1::Topology {
+                    hostname: huge.clone(),
+                    ..Default::default()
+                }),
+                ..reg("b")
+            })
+            .unwrap_err(),
+            c.register(RegisterRequest {
+                transports: vec![pagewire_proto::v1::TransportDescriptor {
+                    kind: "tcp".into(),
+                    endpoint: huge.clone(),
+                    ..Default::default()
+                }],
+                ..reg("b")
+            })
+            .unwrap_err(),
+        ];
+        for e in errors {
+            let s = tonic::Status::from(e);
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{}", s.message());
+            assert!(s.message().len() < 300, "{} bytes", s.message().len());
+        }
+        // An unknown (valid) id is echoed whole; nothing longer than 64
+        // characters of any input is.
+        let e = tonic::Status::from(c.drain(&"y".repeat(128)).unwrap_err());
+        assert_eq!(e.code(), tonic::Code::NotFound);
+        assert!(
+            e.message().contains(&format!("{}…", "y".repeat(64))),
+            "{}",
+            e.message()
+        );
+        assert!(!e.message().contains(&"y".repeat(65)));
     }
 }

@@ -160,7 +160,20 @@ impl Cluster {
     }
 
     fn start_node(&mut self, id: &str, frames: u64) {
-        let log = self.path(&format!("{id}.log"));
+        self.start_node_as(id, id, frames);
+    }
+
+    /// Starts a node process called `name` here, with node id `id`.
+    fn start_node_as(&mut self, name: &str, id: &str, frames: u64) {
+        let log = self.path(&format!("{name}.log"));
+        // Its own shm directory when it shares another process's id.
+        let shm = if name == id {
+            self.path("")
+        } else {
+            let d = self.path(&format!("shm-{name}"));
+            std::fs::create_dir_all(&d).expect("shm dir");
+            d
+        };
         let child = Command::new(node_bin())
             .args(["--node-id", id])
             .arg("--backing-file")
@@ -175,14 +188,14 @@ impl Cluster {
             // The test's own directory: a node killed with -9 leaves its
             // region file there, not in /dev/shm.
             .arg("--shm-dir")
-            .arg(self.path(""))
+            .arg(shm)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log"))
             .spawn()
             .expect("spawn node");
         self.nodes.push(Proc {
-            name: id.into(),
+            name: name.into(),
             child,
             log,
         });
@@ -1176,4 +1189,155 @@ fn a_node_that_loses_extents_and_regains_them_never_serves_pre_write_bytes() {
             again
         );
     });
+}
+
+/// `pwctl nodes`' entry for `id`.
+fn member(c: &Cluster, id: &str) -> Value {
+    c.json(&["nodes"])
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["node_id"] == id)
+        .cloned()
+        .expect("member")
+}
+
+/// Waits up to `limit` for `p` to exit; its exit code.
+fn wait_exit(p: &mut Proc, limit: Duration) -> Option<i32> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(st) = p.child.try_wait().expect("try_wait") {
+            return st.code();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{} still runs after {limit:?}", p.name);
+}
+
+#[test]
+fn a_second_process_with_a_live_node_id_exits_and_a_left_node_stays_left() {
+    let lease_ms = 1000;
+    let mut c = Cluster::new(lease_ms);
+    c.start_node("m1", 256);
+    c.start_node("m2", 256);
+    c.wait_stable(2);
+    let nodes = c.json(&["nodes"]);
+    let addr = nodes[0]["grpc_address"]
+        .as_str()
+        .expect("address")
+        .to_owned();
+    let epoch = c.json(&["status"])["epoch"].as_u64();
+
+    // Same id, another port: refused (after waiting out one lease, in case
+    // it was m1 restarted), and it says why.
+    c.start_node_as("dup", "m1", 256);
+    let code = wait_exit(c.node("dup"), Duration::from_millis(lease_ms * 3 + 5000));
+    assert_eq!(code, Some(1));
+    let log = std::fs::read_to_string(c.path("dup.log")).expect("log");
+    assert!(log.contains("is in use") && log.contains(&addr), "{log}");
+    assert_eq!(
+        c.json(&["status"])["epoch"].as_u64(),
+        epoch,
+        "the map moved"
+    );
+    assert_eq!(
+        member(&c, "m1")["grpc_address"].as_str(),
+        Some(addr.as_str())
+    );
+
+    // SIGTERM: m2 leaves, and that is final even across a few leases.
+    c.node("m2").signal("TERM");
+    assert_eq!(wait_exit(c.node("m2"), Duration::from_secs(10)), Some(0));
+    std::thread::sleep(Duration::from_millis(lease_ms * 2));
+    let m2 = member(&c, "m2");
+    assert_eq!(m2["state"], "left", "{m2}");
+    assert_eq!(m2["extents_owned"], 0, "{m2}");
+    let log = std::fs::read_to_string(c.path("m2.log")).expect("log");
+    assert_eq!(
+        log.matches("registered with the coordinator").count(),
+        1,
+        "{log}"
+    );
+
+    // The last alive node cannot be drained.
+    let out = c.pwctl(&["drain", "m1"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no alive node"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn pwctl_names_wrong_addresses_frozen_nodes_and_token_mistakes() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    c.start_node("m1", 256);
+    c.start_node("m2", 256);
+    c.wait_stable(2);
+    let m1 = member(&c, "m1");
+    let grpc = m1["grpc_address"].as_str().expect("grpc").to_owned();
+    let metrics = m1["metrics_address"].as_str().expect("metrics").to_owned();
+    let pwctl_at = |addr: &str, args: &[&str]| {
+        Command::new(pwctl_bin())
+            .args(["--coordinator", addr, "--timeout-ms", "3000"])
+            .arg("--token-file")
+            .arg(c.path("token"))
+            .args(args)
+            .output()
+            .expect("run pwctl")
+    };
+    let out = pwctl_at(&grpc, &["status"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is a pagewire node, not the coordinator"),
+        "{err}"
+    );
+    let out = pwctl_at(&metrics, &["status"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("does not speak gRPC"), "{err}");
+
+    // A frozen node costs one short deadline and is shown as such.
+    c.node("m2").signal("STOP");
+    let start = Instant::now();
+    let stats = c.json(&["stats", "--node-timeout-ms", "500"]);
+    let took = start.elapsed();
+    c.node("m2").signal("CONT");
+    assert!(took < Duration::from_secs(4), "stats took {took:?}");
+    let rows = stats.as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{stats}");
+    assert_eq!(rows[0]["reachable"], true, "{stats}");
+    assert_eq!(rows[1]["reachable"], false, "{stats}");
+    assert!(
+        rows[1]["source"]
+            .as_str()
+            .unwrap_or("")
+            .contains("UNREACHABLE"),
+        "{stats}"
+    );
+
+    // A warm past the end of the file is clipped and says so.
+    let out = c.pwctl(&["warm", "0..1T"]);
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("warning") && err.contains("only 0.."), "{err}");
+    assert!(err.contains("evicted again"), "{err}");
+
+    // A missing and an empty token file are both configuration errors.
+    let empty = c.path("empty-token");
+    std::fs::write(&empty, "\n").expect("empty token");
+    for file in [c.path("no-such-token"), empty] {
+        let out = Command::new(pwctl_bin())
+            .arg("--token-file")
+            .arg(&file)
+            .arg("status")
+            .output()
+            .expect("run pwctl");
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("token"),
+            "{out:?}"
+        );
+    }
 }

@@ -78,7 +78,17 @@ impl Interceptor for TokenCheck {
                 "missing cluster token: send metadata `authorization: Bearer <token>`",
             )),
             Some(value) if constant_time_eq(value.as_bytes(), &self.expected) => Ok(request),
-            Some(_) => Err(Status::unauthenticated("wrong cluster token")),
+            // The scheme is no secret: say what form is expected.
+            Some(value) if !value.as_bytes().starts_with(b"Bearer ") => {
+                Err(Status::unauthenticated(
+                    "malformed cluster token: send metadata `authorization: Bearer <token>` \
+                     (the word Bearer, one space, then the token)",
+                ))
+            }
+            Some(_) => Err(Status::unauthenticated(
+                "wrong cluster token: `authorization: Bearer <token>` did not match this \
+                 cluster's token",
+            )),
         }
     }
 }
@@ -139,6 +149,17 @@ mod tests {
         let err = check.call(req).unwrap_err();
         assert_eq!(err.code(), tonic::Code::Unauthenticated);
         assert!(err.message().contains("wrong"));
+        // The right token without the scheme: say which form is expected.
+        let mut bare = Request::new(());
+        bare.metadata_mut()
+            .insert(AUTH_METADATA_KEY, "s3cret".parse().unwrap());
+        let err = check.call(bare).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unauthenticated);
+        assert!(
+            err.message().contains("malformed") && err.message().contains("Bearer <token>"),
+            "{}",
+            err.message()
+        );
     }
 
     #[test]

@@ -15,10 +15,18 @@
 //!   handoff.
 //! * Whenever this node must register again (declared dead, lease lapsed),
 //!   it first loses everything ([`Node::lose_everything`]): the extents it
-//!   held may have moved and been written meanwhile.
+//!   held may have moved and been written meanwhile. It sends the
+//!   incarnation it held, so the coordinator tells it from another process
+//!   with the same node id.
+//! * The coordinator refuses the node id while another process holds its
+//!   lease at another address (`ALREADY_EXISTS`): this node waits out that
+//!   lease once (a restart at a new address) and registers again; a second
+//!   refusal stops the daemon with the coordinator's message.
+//! * Leaving is final: once [`Agent::leave`] starts, this process never
+//!   registers or heartbeats again.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pagewire_proto::auth::AttachToken;
@@ -43,7 +51,14 @@ pub(crate) struct Agent {
     register: RegisterRequest,
     /// Heartbeat interval the coordinator asked for.
     interval: Arc<std::sync::Mutex<Duration>>,
+    /// Set when leaving starts; never cleared.
+    leaving: Arc<AtomicBool>,
 }
+
+/// Metadata entry of an `ALREADY_EXISTS` registration refusal: milliseconds
+/// until the lease holding the node id runs out (the coordinator's
+/// `error::LEASE_REMAINING_KEY`).
+const LEASE_REMAINING_KEY: &str = "pagewire-lease-remaining-ms";
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -106,20 +121,34 @@ impl Agent {
             transports: Vec::new(),
             file_size: node.cache.backing().len(),
             page_size: u32::try_from(node.cache.page_size()).unwrap_or(u32::MAX),
+            previous_incarnation: 0,
         };
         Ok(Self {
             node,
             client,
             register,
             interval: Arc::new(std::sync::Mutex::new(Duration::from_secs(1))),
+            leaving: Arc::new(AtomicBool::new(false)),
         })
     }
 
+    fn leaving(&self) -> bool {
+        // Pairs with the SeqCst store in `leave`: once it is set, no
+        // registration starts after it.
+        self.leaving.load(Ordering::SeqCst)
+    }
+
     /// Registers, then heartbeats and watches the map, forever; returns only
-    /// when the coordinator refuses this node for good.
+    /// when the coordinator refuses this node for good (an error) or the
+    /// node leaves (`Ok`).
     pub(crate) async fn run(&self) -> Result<(), DaemonError> {
         loop {
-            self.register().await?;
+            if self.leaving() {
+                return Ok(());
+            }
+            if !self.register().await? {
+                return Ok(());
+            }
             let generation = self.node.generation.load(Ordering::Acquire);
             let watcher = tokio::spawn(self.clone().watch_loop(generation));
             let why = self.heartbeat_loop().await;
@@ -129,11 +158,17 @@ impl Agent {
         }
     }
 
-    async fn register(&self) -> Result<(), DaemonError> {
+    /// Registers; `Ok(false)` when leaving started meanwhile.
+    async fn register(&self) -> Result<bool, DaemonError> {
         let mut backoff = Duration::from_millis(100);
+        let mut waited_out = false;
         loop {
+            if self.leaving() {
+                return Ok(false);
+            }
             let mut req = self.register.clone();
             req.transports = transports(&self.node);
+            req.previous_incarnation = self.node.incarnation.load(Ordering::Relaxed);
             let sent = Instant::now();
             let generation = self.node.generation.load(Ordering::Acquire);
             match self.client.clone().register(request(req)).await {
@@ -166,10 +201,34 @@ impl Agent {
                     self.node.lease.renew(sent, lease);
                     *self.interval.lock().unwrap_or_else(|e| e.into_inner()) =
                         Duration::from_millis(r.heartbeat_interval_ms.max(10));
-                    return Ok(());
+                    return Ok(true);
+                }
+                Err(s) if s.code() == Code::AlreadyExists && !waited_out => {
+                    // Maybe our own previous process, restarted at a new
+                    // address: its lease runs out within one lease.
+                    let wait = s
+                        .metadata()
+                        .get(LEASE_REMAINING_KEY)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .map_or(Duration::from_secs(10), Duration::from_millis)
+                        .min(Duration::from_secs(600));
+                    tracing::warn!(
+                        message = s.message(),
+                        wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                        "node id in use; waiting once for that lease to run out"
+                    );
+                    tokio::time::sleep(wait + Duration::from_millis(50)).await;
+                    waited_out = true;
                 }
                 Err(s)
-                    if s.code() == Code::InvalidArgument || s.code() == Code::Unauthenticated =>
+                    if matches!(
+                        s.code(),
+                        Code::InvalidArgument
+                            | Code::Unauthenticated
+                            | Code::AlreadyExists
+                            | Code::FailedPrecondition
+                    ) =>
                 {
                     return Err(DaemonError::Refused(format!(
                         "{:?}: {}",
@@ -197,6 +256,9 @@ impl Agent {
             tokio::select! {
                 () = tokio::time::sleep(self.interval()) => {}
                 () = self.node.heartbeat_now.notified() => {}
+            }
+            if self.leaving() {
+                return "leaving";
             }
             if self.node.lease.lapsed() {
                 tracing::warn!("lease lapsed without a renewal; registering again");
@@ -325,7 +387,10 @@ impl Agent {
     }
 
     /// Leaves the cluster on purpose (on shutdown), so extents move at once.
+    /// From then on this process never registers again (the coordinator
+    /// refuses it too).
     pub(crate) async fn leave(&self) {
+        self.leaving.store(true, Ordering::SeqCst);
         let req = LeaveRequest {
             node_id: self.node.node_id.clone(),
             incarnation: self.node.incarnation.load(Ordering::Relaxed),

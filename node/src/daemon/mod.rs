@@ -321,14 +321,14 @@ pub(crate) async fn run(
         coord_tls,
     )?;
     let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<DaemonError>(1);
-    {
+    let agent_task = {
         let agent = agent.clone();
         tasks.spawn(async move {
             if let Err(e) = agent.run().await {
                 let _ = fatal_tx.send(e).await;
             }
-        });
-    }
+        })
+    };
     tasks.spawn(service::watermark_loop(
         node.clone(),
         Duration::from_millis(200),
@@ -373,6 +373,8 @@ pub(crate) async fn run(
         () = shutdown => {
             // Stop answering before the coordinator can move anything.
             node.lease.revoke();
+            // No heartbeat or registration after this: leaving is final.
+            agent_task.abort();
             if cfg.leave_on_shutdown {
                 agent.leave().await;
             }

@@ -2,24 +2,27 @@
 //! `stats`, to each node). Human tables by default, `--json` for machines.
 //!
 //! Exit status: 0 on success, 1 when the operation failed (coordinator
-//! unreachable, a node refused, ...), 2 on a usage error.
+//! unreachable, a node refused, ...), 2 on a usage or configuration error
+//! (bad flags, no token, a token file that cannot be read or is empty).
+//!
+//! Modules: `diagnose` (what a wrong `--coordinator` address is),
+//! `stats` (the fan-out to the nodes), `range` (warm and evict in chunks,
+//! with progress).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow};
+use anyhow::anyhow;
 use clap::{Parser, Subcommand};
 use pagewire_coordinator::config::{parse_admission, parse_eviction};
 use pagewire_coordinator::error::state_name;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::{self, ClientTls};
 use pagewire_proto::v1::coordinator_client::CoordinatorClient;
-use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{
-    ByteRange, ClusterRangeRequest, ClusterRangeResponse, DrainRequest, GetMapRequest,
-    ListNodesRequest, NodeInfo, NodeState, NodeStats, OwnershipMap, Policy, SetPolicyRequest,
-    StatsRequest, StatusRequest, Topology,
+    ClusterRangeResponse, DrainRequest, GetMapRequest, ListNodesRequest, NodeInfo, NodeState,
+    NodeStats, OwnershipMap, Policy, SetPolicyRequest, StatusRequest, Topology,
 };
 use serde_json::{Value, json};
 use tonic::service::interceptor::InterceptedService;
@@ -42,17 +45,29 @@ fn write_stdout(args: std::fmt::Arguments<'_>) {
 }
 
 macro_rules! out {
-    ($($t:tt)*) => { write_stdout(format_args!($($t)*)) };
+    ($($t:tt)*) => { $crate::write_stdout(format_args!($($t)*)) };
 }
 
 macro_rules! outln {
-    () => { write_stdout(format_args!("\n")) };
-    ($($t:tt)*) => { write_stdout(format_args!("{}\n", format_args!($($t)*))) };
+    () => { $crate::write_stdout(format_args!("\n")) };
+    ($($t:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($t)*))) };
 }
+
+mod diagnose;
+mod range;
+mod stats;
+
+use diagnose::CallFailed;
 
 /// Admin CLI of a pagewire cluster.
 #[derive(Debug, Parser)]
-#[command(name = "pwctl", version)]
+#[command(
+    name = "pwctl",
+    version,
+    after_help = "Exit status: 0 success; 1 the operation failed (coordinator unreachable, a \
+                  node refused, a drain did not finish in time); 2 usage or configuration \
+                  error (bad flags or RANGE, no token, unreadable or empty token file)."
+)]
 struct Cli {
     /// Coordinator address (host:port or URL).
     #[arg(
@@ -107,12 +122,17 @@ enum Cmd {
     },
     /// Let a drained NODE take its share again.
     Undrain { node: String },
-    /// Per-node counters (asked of each node; from its last heartbeat when
-    /// it cannot be reached).
+    /// Per-node counters (asked of each node at once; from its last
+    /// heartbeat when it cannot be reached in time). Dead and departed nodes
+    /// are listed as such.
     Stats {
         /// Refresh every this many seconds until interrupted.
         #[arg(long, value_name = "SECS")]
         watch: Option<u64>,
+        /// How long each node gets to answer (connect included), in
+        /// milliseconds; a slower node is shown as unreachable.
+        #[arg(long, default_value_t = 1000, value_name = "MS")]
+        node_timeout_ms: u64,
     },
     /// NUMA layout of each node.
     Topology,
@@ -133,7 +153,7 @@ enum Cmd {
     },
 }
 
-/// A usage problem found after parsing (exit status 2).
+/// A usage or configuration problem found after parsing (exit status 2).
 #[derive(Debug)]
 struct Usage(String);
 
@@ -157,7 +177,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(cli)) {
+    let address = cli.coordinator.clone();
+    match rt.block_on(async {
+        let r = run(cli).await;
+        match r {
+            Err(e) => Err(explain(&address, e).await),
+            ok => ok,
+        }
+    }) {
         Ok(ok) => {
             if ok {
                 ExitCode::SUCCESS
@@ -176,6 +203,21 @@ fn main() -> ExitCode {
     }
 }
 
+/// Says so when a call failed because `--coordinator` names a node or a
+/// metrics port.
+async fn explain(address: &str, e: anyhow::Error) -> anyhow::Error {
+    let Some(call) = e.downcast_ref::<CallFailed>() else {
+        return e;
+    };
+    match diagnose::judge(address, &call.status).await {
+        Some(wrong) => anyhow!(
+            "{} failed: cannot use {address} as the coordinator: {wrong}",
+            call.what
+        ),
+        None => e,
+    }
+}
+
 struct Ctx {
     token: AttachToken,
     tls: Option<ClientTls>,
@@ -186,7 +228,7 @@ struct Ctx {
 fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
     let t = if let Some(path) = &cli.token_file {
         std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read token file {}", path.display()))?
+            .map_err(|e| Usage(format!("cannot read token file {}: {e}", path.display())))?
             .trim()
             .to_owned()
     } else if let Ok(t) = std::env::var("PAGEWIRE_TOKEN") {
@@ -196,7 +238,13 @@ fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
             Usage("no cluster token: pass --token-file FILE or set PAGEWIRE_TOKEN".into()).into(),
         );
     };
-    AttachToken::new(&t).map_err(|e| Usage(format!("bad cluster token: {e}")).into())
+    AttachToken::new(&t).map_err(|e| {
+        let from = match &cli.token_file {
+            Some(p) => format!("token file {}", p.display()),
+            None => "PAGEWIRE_TOKEN".into(),
+        };
+        Usage(format!("bad cluster token in {from}: {e}")).into()
+    })
 }
 
 async fn coordinator(cli: &Cli, ctx: &Ctx) -> anyhow::Result<Coord> {
@@ -239,7 +287,11 @@ fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
 }
 
 fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
-    anyhow!("{what} failed: {:?}: {}", s.code(), s.message())
+    CallFailed {
+        what: what.to_owned(),
+        status: s,
+    }
+    .into()
 }
 
 async fn run(cli: Cli) -> anyhow::Result<bool> {
@@ -411,16 +463,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         Cmd::Warm { .. } | Cmd::Evict { .. } => {
             let (offset, length) = range.unwrap_or((0, u64::MAX));
-            let r = ClusterRangeRequest {
-                range: Some(ByteRange { offset, length }),
-            };
-            let (what, resp) = if matches!(cli.cmd, Cmd::Warm { .. }) {
-                ("warm", c.warm(req(&ctx, r)).await)
+            let op = if matches!(cli.cmd, Cmd::Warm { .. }) {
+                range::Op::Warm
             } else {
-                ("evict", c.evict(req(&ctx, r)).await)
+                range::Op::Evict
             };
-            let resp = resp.map_err(|e| status_err(what, e))?.into_inner();
-            Ok(print_range_result(what, &resp, ctx.json))
+            let resp = range::run(&mut c, &ctx, op, offset, length).await?;
+            Ok(print_range_result(op.name(), &resp, ctx.json))
         }
         Cmd::Drain { node, wait } => {
             let r = c
@@ -460,7 +509,20 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                     outln!("{node} is {}", state_name(state));
                 }
             }
-            Ok(*wait == 0 || state == NodeState::Drained)
+            let done = *wait == 0 || state == NodeState::Drained;
+            if !done {
+                let map = c
+                    .get_map(req(&ctx, GetMapRequest {}))
+                    .await
+                    .map_err(|e| status_err("map", e))?
+                    .into_inner();
+                let nodes = list_nodes(&mut c, &ctx).await?;
+                eprintln!(
+                    "pwctl: gave up after {wait} s: {}",
+                    drain_blocker(&map, &nodes, node, state)
+                );
+            }
+            Ok(done)
         }
         Cmd::Undrain { node } => {
             let r = c
@@ -480,13 +542,17 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             }
             Ok(true)
         }
-        Cmd::Stats { watch } => loop {
+        Cmd::Stats {
+            watch,
+            node_timeout_ms,
+        } => loop {
             let nodes = list_nodes(&mut c, &ctx).await?;
-            let rows = collect_stats(&nodes, &ctx).await;
+            let per_node = Duration::from_millis((*node_timeout_ms).max(1));
+            let rows = stats::collect(&nodes, &ctx, per_node).await;
             if watch.is_some() && !ctx.json {
                 out!("\x1b[2J\x1b[H");
             }
-            print_stats(&rows, ctx.json);
+            stats::print(&rows, ctx.json);
             match watch {
                 Some(secs) => tokio::time::sleep(Duration::from_secs((*secs).max(1))).await,
                 None => return Ok(true),
@@ -536,6 +602,55 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             Ok(true)
         }
     }
+}
+
+/// Why `node` is not drained yet, in words: what it still owns or hands
+/// off, and which nodes have not applied the epoch that would finish it.
+fn drain_blocker(map: &OwnershipMap, nodes: &[NodeInfo], node: &str, state: NodeState) -> String {
+    let Some(me) = nodes.iter().find(|n| n.node_id == node) else {
+        return format!("{node} is no longer a member");
+    };
+    if state != NodeState::Draining {
+        return format!("{node} is {}, not draining", state_name(state));
+    }
+    let owned = map.owner.iter().filter(|&&o| o == me.index).count();
+    let handing: Vec<usize> = (0..map.previous_owner.len())
+        .filter(|&i| map.previous_owner[i] == me.index)
+        .collect();
+    let mut waiting: Vec<String> = handing
+        .iter()
+        .filter_map(|&i| map.owner.get(i))
+        .chain(std::iter::once(&me.index))
+        .filter_map(|&idx| nodes.iter().find(|n| n.index == idx))
+        .filter(|n| n.applied_epoch < map.epoch)
+        .map(|n| {
+            format!(
+                "{} ({}, applied epoch {})",
+                n.node_id,
+                state_name(n.state()),
+                n.applied_epoch
+            )
+        })
+        .collect();
+    waiting.sort();
+    waiting.dedup();
+    let mut why = format!(
+        "{node} is still draining at epoch {}: it owns {owned} extents and hands off {}",
+        map.epoch,
+        handing.len()
+    );
+    if owned > 0 {
+        why.push_str("; no alive node takes them (start or undrain one)");
+    }
+    if !waiting.is_empty() {
+        why.push_str(&format!(
+            "; the handoff waits for {} to apply epoch {} (a frozen or partitioned node \
+             holds it until its lease runs out)",
+            waiting.join(", "),
+            map.epoch
+        ));
+    }
+    why
 }
 
 async fn list_nodes(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<Vec<NodeInfo>> {
@@ -906,107 +1021,6 @@ fn print_range_result(what: &str, r: &ClusterRangeResponse, as_json: bool) -> bo
     ok
 }
 
-struct StatsRow {
-    node: String,
-    source: String,
-    stats: NodeStats,
-}
-
-async fn collect_stats(nodes: &[NodeInfo], ctx: &Ctx) -> Vec<StatsRow> {
-    let mut out = Vec::new();
-    for n in nodes.iter().filter(|n| {
-        matches!(
-            n.state(),
-            NodeState::Alive | NodeState::Draining | NodeState::Drained
-        )
-    }) {
-        let live = async {
-            let ch = net::connect(&n.grpc_address, ctx.tls.as_ref(), ctx.timeout)
-                .await
-                .map_err(|e| error_chain(&e))?;
-            let mut client = NodeClient::with_interceptor(ch, ctx.token.clone());
-            client
-                .stats(req(ctx, StatsRequest {}))
-                .await
-                .map(|r| r.into_inner().stats.unwrap_or_default())
-                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
-        }
-        .await;
-        out.push(match live {
-            Ok(stats) => StatsRow {
-                node: n.node_id.clone(),
-                source: "node".into(),
-                stats,
-            },
-            Err(e) => StatsRow {
-                node: n.node_id.clone(),
-                source: format!("last heartbeat (node: {e})"),
-                stats: n.stats.unwrap_or_default(),
-            },
-        });
-    }
-    out
-}
-
-fn print_stats(rows: &[StatsRow], as_json: bool) {
-    if as_json {
-        let v: Vec<Value> = rows
-            .iter()
-            .map(|r| {
-                let mut s = stats_json(&r.stats);
-                s["node_id"] = json!(r.node);
-                s["source"] = json!(r.source);
-                s
-            })
-            .collect();
-        outln!("{}", serde_json::to_string(&v).unwrap_or_default());
-        return;
-    }
-    let t: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            let s = &r.stats;
-            vec![
-                r.node.clone(),
-                s.hits.to_string(),
-                s.misses.to_string(),
-                s.faults.to_string(),
-                s.evictions.to_string(),
-                s.retries.to_string(),
-                human_bytes(s.bytes_served),
-                format!("{}/{}", s.pages_resident, s.capacity_pages),
-                s.extents_owned.to_string(),
-                format!(
-                    "{}/{}/{}",
-                    s.remote_pages, s.remote_one_sided, s.remote_fallbacks
-                ),
-                s.remote_validation_failures.to_string(),
-                r.source.clone(),
-            ]
-        })
-        .collect();
-    out!(
-        "{}",
-        table(
-            &[
-                "NODE",
-                "HITS",
-                "MISSES",
-                "FAULTS",
-                "EVICTIONS",
-                "RETRIES",
-                "SERVED",
-                "RESIDENT",
-                "EXTENTS",
-                "REMOTE(ALL/1-SIDED/FALLBACK)",
-                "VALIDATION_FAILS",
-                "SOURCE"
-            ],
-            &t
-        )
-    );
-}
-
 fn cpu_list(cpus: &[u32]) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut i = 0;
@@ -1090,6 +1104,34 @@ mod tests {
     #[test]
     fn cpu_lists_compress() {
         assert_eq!(cpu_list(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+    }
+
+    #[test]
+    fn a_stuck_drain_says_what_it_waits_for() {
+        let node = |id: &str, index, state: NodeState, applied| {
+            let mut n = NodeInfo {
+                node_id: id.into(),
+                index,
+                applied_epoch: applied,
+                ..Default::default()
+            };
+            n.set_state(state);
+            n
+        };
+        let nodes = vec![
+            node("a", 1, NodeState::Draining, 7),
+            node("b", 2, NodeState::Alive, 6),
+        ];
+        let map = OwnershipMap {
+            epoch: 7,
+            owner: vec![2, 2],
+            previous_owner: vec![1, 0],
+            ..Default::default()
+        };
+        let why = drain_blocker(&map, &nodes, "a", NodeState::Draining);
+        assert!(why.contains("hands off 1"), "{why}");
+        assert!(why.contains("b (alive, applied epoch 6)"), "{why}");
+        assert!(!why.contains("a ("), "{why}");
     }
 
     #[test]
