@@ -15,6 +15,7 @@ use crate::error::{OpenError, ReadError, WriteError};
 use crate::flight::{Claim, Claimed, Flights};
 use crate::index::{Index, IndexKind, Lockless};
 use crate::layout::{IndexCode, RegionLayout};
+use crate::policy::CachePolicy;
 use crate::raw::frames::Frames;
 use crate::raw::region::Region;
 use crate::stats::{Counter, Counters, Stats};
@@ -83,6 +84,7 @@ pub struct PageCache<I: Index = Lockless> {
     cfg: CacheConfig,
     pages: u64,
     numa: crate::numa::Placement,
+    policy: std::sync::Mutex<CachePolicy>,
 }
 
 /// A reference to a cached page: the frame cannot be reused while it lives
@@ -194,6 +196,7 @@ impl<I: Index> PageCache<I> {
             cfg,
             pages,
             numa,
+            policy: std::sync::Mutex::new(CachePolicy::default()),
         })
     }
 
@@ -244,6 +247,16 @@ impl<I: Index> PageCache<I> {
             len,
             layout: *self.core.frames.region().layout(),
         }
+    }
+
+    /// The admission and eviction policies in force.
+    pub fn policy(&self) -> CachePolicy {
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Switch policies; takes effect for the next miss and eviction.
+    pub fn set_policy(&self, p: CachePolicy) {
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = p;
     }
 
     /// Announce a new node epoch in the superblock.

@@ -24,6 +24,7 @@
 
 pub mod layout;
 pub mod pattern;
+pub mod policy;
 #[doc(hidden)]
 pub mod raw;
 pub(crate) mod sync;

@@ -1,0 +1,59 @@
+//! The cache's admission and eviction policies: what a node implements of
+//! what the coordinator's API names (`pagewire.v1.Policy`). The daemon maps
+//! a pushed policy onto these and refuses (logs, keeps its current one) any
+//! part it does not implement; the coordinator refuses the same policies
+//! before they are ever pushed.
+
+/// Which faulted pages enter the cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Admission {
+    /// Every faulted page is inserted.
+    #[default]
+    Always,
+}
+
+/// Which frame a full cache frees.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Eviction {
+    /// CLOCK (second chance): a shared hand, a referenced bit per frame.
+    #[default]
+    Clock,
+}
+
+impl Admission {
+    /// The name config files and `pwctl` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Admission::Always => "always",
+        }
+    }
+}
+
+impl Eviction {
+    /// The name config files and `pwctl` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Eviction::Clock => "clock",
+        }
+    }
+}
+
+/// A cache's policy pair.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CachePolicy {
+    pub admission: Admission,
+    pub eviction: Eviction,
+}
+
+impl std::fmt::Display for CachePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "admission {}, eviction {}",
+            self.admission.name(),
+            self.eviction.name()
+        )
+    }
+}
