@@ -151,7 +151,8 @@ pub fn parse_eviction(s: &str) -> Option<EvictionPolicy> {
 /// outside these lists is refused (config validation, `SetPolicy` with
 /// `UNIMPLEMENTED`), never acknowledged and ignored. Grow a list in the same
 /// change that makes the node apply the policy.
-pub const IMPLEMENTED_ADMISSION: &[AdmissionPolicy] = &[AdmissionPolicy::Always];
+pub const IMPLEMENTED_ADMISSION: &[AdmissionPolicy] =
+    &[AdmissionPolicy::Always, AdmissionPolicy::SecondHit];
 
 /// The eviction policies the nodes implement (see [`IMPLEMENTED_ADMISSION`]).
 pub const IMPLEMENTED_EVICTION: &[EvictionPolicy] = &[EvictionPolicy::Clock];

@@ -45,6 +45,8 @@ pub mod error;
 #[cfg(not(loom))]
 mod flight;
 #[cfg(not(loom))]
+mod ghost;
+#[cfg(not(loom))]
 pub mod numa;
 #[cfg(not(loom))]
 pub mod remote;

@@ -11,6 +11,11 @@ pub enum Admission {
     /// Every faulted page is inserted.
     #[default]
     Always,
+    /// A page is inserted on its second miss within the ghost set's window
+    /// (about as many misses as the cache has frames; see the cache's
+    /// `ghost` module). A first miss is served from the backing file and
+    /// not inserted; readahead is off under this policy.
+    SecondHit,
 }
 
 /// Which frame a full cache frees.
@@ -27,6 +32,7 @@ impl Admission {
     pub fn name(self) -> &'static str {
         match self {
             Admission::Always => "always",
+            Admission::SecondHit => "second-hit",
         }
     }
 }

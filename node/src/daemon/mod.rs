@@ -217,6 +217,7 @@ impl Node {
             capacity_pages: frames,
             extents_owned: self.view().map_or(0, |v| v.owned()),
             stale_map_rejections: self.stale_rejections.load(Ordering::Relaxed),
+            admissions_skipped: s.admissions_skipped,
             ..self.remote_stats()
         }
     }

@@ -10,7 +10,8 @@ use crate::policy::{Admission, CachePolicy, Eviction};
 fn admission(a: AdmissionPolicy) -> Option<Admission> {
     match a {
         AdmissionPolicy::Always => Some(Admission::Always),
-        AdmissionPolicy::SecondHit | AdmissionPolicy::Unspecified => None,
+        AdmissionPolicy::SecondHit => Some(Admission::SecondHit),
+        AdmissionPolicy::Unspecified => None,
     }
 }
 
@@ -49,6 +50,7 @@ pub(crate) fn apply(cache: &PageCache, p: &Policy) -> (CachePolicy, Policy, Opti
     let mut reported = *p;
     reported.set_admission(match a {
         Admission::Always => AdmissionPolicy::Always,
+        Admission::SecondHit => AdmissionPolicy::SecondHit,
     });
     reported.set_eviction(match e {
         Eviction::Clock => EvictionPolicy::Clock,
@@ -119,5 +121,18 @@ mod tests {
                 assert_eq!(reported.high_watermark_percent, 95);
             }
         }
+    }
+
+    #[test]
+    fn second_hit_changes_what_a_miss_does() {
+        let (_dir, c) = cache();
+        let clock = EvictionPolicy::Clock;
+        let _ = apply(&c, &policy(AdmissionPolicy::SecondHit, clock));
+        assert!(!c.get(3).unwrap().is_cached(), "first miss admitted");
+        assert!(c.get(3).unwrap().is_cached(), "second miss not admitted");
+        assert_eq!(c.stats().admissions_skipped, 1);
+        let _ = apply(&c, &policy(AdmissionPolicy::Always, clock));
+        assert!(c.get(4).unwrap().is_cached(), "always skipped a page");
+        assert_eq!(c.stats().admissions_skipped, 1);
     }
 }
