@@ -155,7 +155,11 @@ pub const IMPLEMENTED_ADMISSION: &[AdmissionPolicy] =
     &[AdmissionPolicy::Always, AdmissionPolicy::SecondHit];
 
 /// The eviction policies the nodes implement (see [`IMPLEMENTED_ADMISSION`]).
-pub const IMPLEMENTED_EVICTION: &[EvictionPolicy] = &[EvictionPolicy::Clock];
+pub const IMPLEMENTED_EVICTION: &[EvictionPolicy] = &[
+    EvictionPolicy::Clock,
+    EvictionPolicy::Lru,
+    EvictionPolicy::Fifo,
+];
 
 /// An admission policy's name as config files and flags write it.
 pub fn admission_name(a: AdmissionPolicy) -> &'static str {

@@ -18,7 +18,7 @@ use crate::flight::{Claim, Claimed, Flights};
 use crate::ghost::GhostSet;
 use crate::index::{Index, IndexKind, Lockless};
 use crate::layout::{IndexCode, RegionLayout};
-use crate::policy::{Admission, CachePolicy};
+use crate::policy::{Admission, CachePolicy, Eviction};
 use crate::raw::frames::Frames;
 use crate::raw::region::Region;
 use crate::stats::{Counter, Counters, Stats};
@@ -175,6 +175,24 @@ enum Faulted {
     Uncached { buf: Vec<u8>, off: usize },
 }
 
+/// A per-thread xorshift64* generator for eviction samples.
+fn next_random() -> u64 {
+    thread_local! {
+        static RNG: Cell<u64> = Cell::new({
+            let seed = &RNG as *const _ as u64;
+            (seed ^ 0x9E37_79B9_7F4A_7C15) | 1
+        });
+    }
+    RNG.with(|r| {
+        let mut x = r.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        r.set(x);
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    })
+}
+
 thread_local! {
     /// Per-thread sequential-fault detector: (cache id, next page, window).
     static READAHEAD: Cell<(usize, u64, usize)> = const { Cell::new((0, u64::MAX, 0)) };
@@ -311,6 +329,13 @@ impl<I: Index> PageCache<I> {
             p.admission == Admission::SecondHit,
             std::sync::atomic::Ordering::Relaxed,
         );
+        self.core
+            .frames
+            .set_stamp_mode(if p.eviction == Eviction::Lru {
+                crate::raw::frames::STAMP_ON_HIT
+            } else {
+                crate::raw::frames::STAMP_ON_INSERT
+            });
         *cur = p;
     }
 
@@ -545,6 +570,7 @@ impl<I: Index> PageCache<I> {
             return Err(e.into());
         }
         self.stats.add(Counter::Faults, 1);
+        self.core.frames.advance_clock();
         self.stats.add(Counter::PagesRead, frames.len() as u64);
         self.stats.add(Counter::Readahead, frames.len() as u64 - 1);
         let run: Vec<(u32, u32)> = frames
@@ -599,8 +625,13 @@ impl<I: Index> PageCache<I> {
         self.core.frames.alloc().ok_or(ReadError::NoFrame)
     }
 
-    /// CLOCK sweep: free up to `want` frames; gives up after two full turns.
+    /// Free up to `want` frames by the eviction policy: a CLOCK sweep, or
+    /// for `lru`/`fifo` the oldest stamp of each random sample. Gives up
+    /// after two full turns (CLOCK) or `2 × frames` samples.
     pub fn reclaim(&self, want: usize) -> usize {
+        if self.policy().eviction != Eviction::Clock {
+            return self.reclaim_sampled(want);
+        }
         let (mut freed, mut busy) = (0, 0);
         let n = self.core.frames.count();
         for _ in 0..2 * n {
@@ -616,6 +647,55 @@ impl<I: Index> PageCache<I> {
         self.stats.add(Counter::Evictions, freed as u64);
         self.stats.add(Counter::EvictBusy, busy);
         freed
+    }
+
+    fn reclaim_sampled(&self, want: usize) -> usize {
+        let (mut freed, mut busy) = (0, 0);
+        let n = self.core.frames.count();
+        for _ in 0..2 * n {
+            if freed >= want {
+                break;
+            }
+            let Some(f) = self.oldest_sampled() else {
+                continue;
+            };
+            match self.core.evict_chosen(f) {
+                Sweep::Evicted => freed += 1,
+                Sweep::Busy => busy += 1,
+                Sweep::SecondChance | Sweep::Skip => {}
+            }
+        }
+        self.stats.add(Counter::Evictions, freed as u64);
+        self.stats.add(Counter::EvictBusy, busy);
+        freed
+    }
+
+    /// The published frame with the smallest stamp among
+    /// [`crate::policy::SAMPLE`] frames drawn at random (every frame when
+    /// there are no more than that). Racy: the caller's eviction rechecks.
+    fn oldest_sampled(&self) -> Option<u32> {
+        let frames = &self.core.frames;
+        let n = frames.count();
+        let published = |f: u32| {
+            frames.header(f).state.load(crate::sync::Ordering::Relaxed)
+                == crate::layout::FrameState::Published as u32
+        };
+        let pick = |best: Option<(u64, u32)>, f: u32| {
+            if !published(f) {
+                return best;
+            }
+            let s = frames.stamp(f);
+            match best {
+                Some((b, _)) if b <= s => best,
+                _ => Some((s, f)),
+            }
+        };
+        let best = if n <= crate::policy::SAMPLE {
+            (0..n as u32).fold(None, pick)
+        } else {
+            (0..crate::policy::SAMPLE).fold(None, |b, _| pick(b, (next_random() % n as u64) as u32))
+        };
+        best.map(|(_, f)| f)
     }
 
     /// Evict one page if it is cached and no reader holds it.

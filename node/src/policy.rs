@@ -25,7 +25,22 @@ pub enum Eviction {
     /// CLOCK (second chance): a shared hand, a referenced bit per frame.
     #[default]
     Clock,
+    /// Approximate LRU: each hit stores the logical time (one tick per
+    /// fault) in the frame's stamp; the victim is the oldest stamp among
+    /// [`SAMPLE`] frames sampled at random (Redis-style), not the globally
+    /// least recent page.
+    Lru,
+    /// Approximate FIFO: the stamp is the logical time of insertion, hits
+    /// leave it; the victim is the oldest stamp among [`SAMPLE`] sampled
+    /// frames.
+    Fifo,
 }
+
+/// Frames sampled per `lru`/`fifo` victim choice (all of them in a cache of
+/// at most this many frames). The victim's stamp is the smallest of the
+/// sample, so it lies in the oldest fraction `q` of published frames with
+/// probability `1 − (1 − q)^SAMPLE` (about 90% for q = 25%).
+pub const SAMPLE: usize = 8;
 
 impl Admission {
     /// The name config files and `pwctl` use.
@@ -42,6 +57,8 @@ impl Eviction {
     pub fn name(self) -> &'static str {
         match self {
             Eviction::Clock => "clock",
+            Eviction::Lru => "lru",
+            Eviction::Fifo => "fifo",
         }
     }
 }

@@ -443,3 +443,38 @@ fn second_hit_admits_on_the_second_miss_only_and_serves_every_read() {
         assert!(c.cached(6));
     });
 }
+
+#[test]
+fn fifo_evicts_the_first_inserted_and_lru_the_least_recently_hit() {
+    use pagewire_node::policy::Eviction;
+    each_variant(|open| {
+        for (eviction, victim) in [(Eviction::Fifo, 0), (Eviction::Lru, 1)] {
+            let (_d, path) = file(16, 0);
+            // 8 frames: no more than the sample, so the choice is exact.
+            let c = open(
+                &path,
+                CacheConfig {
+                    readahead_max: 0,
+                    evict_batch: 1,
+                    ..cfg(8)
+                },
+            );
+            c.set_policy(CachePolicy {
+                eviction,
+                ..CachePolicy::default()
+            });
+            for p in 0..8 {
+                pattern::verify(p, &c.read(p).unwrap()).unwrap();
+            }
+            // Hits of page 0 (both paths) after page 7 was inserted.
+            pattern::verify(0, &c.read(0).unwrap()).unwrap();
+            let mut buf = vec![0u8; PS];
+            c.read_into(0, &mut buf).unwrap();
+            pattern::verify(8, &c.read(8).unwrap()).unwrap();
+            assert_eq!(c.stats().evictions, 1, "{eviction:?}");
+            for p in 0..9 {
+                assert_eq!(c.cached(p), p != victim, "{eviction:?}: page {p}");
+            }
+        }
+    });
+}

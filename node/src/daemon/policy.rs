@@ -18,7 +18,9 @@ fn admission(a: AdmissionPolicy) -> Option<Admission> {
 fn eviction(e: EvictionPolicy) -> Option<Eviction> {
     match e {
         EvictionPolicy::Clock => Some(Eviction::Clock),
-        EvictionPolicy::Lru | EvictionPolicy::Fifo | EvictionPolicy::Unspecified => None,
+        EvictionPolicy::Lru => Some(Eviction::Lru),
+        EvictionPolicy::Fifo => Some(Eviction::Fifo),
+        EvictionPolicy::Unspecified => None,
     }
 }
 
@@ -54,6 +56,8 @@ pub(crate) fn apply(cache: &PageCache, p: &Policy) -> (CachePolicy, Policy, Opti
     });
     reported.set_eviction(match e {
         Eviction::Clock => EvictionPolicy::Clock,
+        Eviction::Lru => EvictionPolicy::Lru,
+        Eviction::Fifo => EvictionPolicy::Fifo,
     });
     let why = (!refused.is_empty()).then(|| refused.join("; "));
     (applied, reported, why)
