@@ -147,6 +147,63 @@ pub fn parse_eviction(s: &str) -> Option<EvictionPolicy> {
     }
 }
 
+/// The admission policies the nodes implement. The API names more; a policy
+/// outside these lists is refused (config validation, `SetPolicy` with
+/// `UNIMPLEMENTED`), never acknowledged and ignored. Grow a list in the same
+/// change that makes the node apply the policy.
+pub const IMPLEMENTED_ADMISSION: &[AdmissionPolicy] =
+    &[AdmissionPolicy::Always, AdmissionPolicy::SecondHit];
+
+/// The eviction policies the nodes implement (see [`IMPLEMENTED_ADMISSION`]).
+pub const IMPLEMENTED_EVICTION: &[EvictionPolicy] = &[
+    EvictionPolicy::Clock,
+    EvictionPolicy::Lru,
+    EvictionPolicy::Fifo,
+];
+
+/// An admission policy's name as config files and flags write it.
+pub fn admission_name(a: AdmissionPolicy) -> &'static str {
+    match a {
+        AdmissionPolicy::Unspecified => "unspecified",
+        AdmissionPolicy::Always => "always",
+        AdmissionPolicy::SecondHit => "second-hit",
+    }
+}
+
+/// An eviction policy's name as config files and flags write it.
+pub fn eviction_name(e: EvictionPolicy) -> &'static str {
+    match e {
+        EvictionPolicy::Unspecified => "unspecified",
+        EvictionPolicy::Clock => "clock",
+        EvictionPolicy::Lru => "lru",
+        EvictionPolicy::Fifo => "fifo",
+    }
+}
+
+fn names<T: Copy>(all: &[T], name: fn(T) -> &'static str) -> String {
+    all.iter().map(|&x| name(x)).collect::<Vec<_>>().join(", ")
+}
+
+/// Checks that the nodes implement `p`'s admission and eviction policies
+/// (call after [`validate_policy`]); the error names what is implemented.
+pub fn check_implemented(p: &Policy) -> Result<(), String> {
+    if !IMPLEMENTED_ADMISSION.contains(&p.admission()) {
+        return Err(format!(
+            "admission policy {} is not implemented by the nodes (implemented: {})",
+            admission_name(p.admission()),
+            names(IMPLEMENTED_ADMISSION, admission_name)
+        ));
+    }
+    if !IMPLEMENTED_EVICTION.contains(&p.eviction()) {
+        return Err(format!(
+            "eviction policy {} is not implemented by the nodes (implemented: {})",
+            eviction_name(p.eviction()),
+            names(IMPLEMENTED_EVICTION, eviction_name)
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a policy's fields (from a config file or a SetPolicy call).
 pub fn validate_policy(p: &Policy) -> Result<(), String> {
     if p.admission() == AdmissionPolicy::Unspecified {
@@ -202,6 +259,7 @@ impl Config {
             low_watermark_percent: self.policy.low_watermark_percent,
         };
         validate_policy(&p).map_err(|r| invalid("policy", r))?;
+        check_implemented(&p).map_err(|r| invalid("policy", r))?;
         Ok(p)
     }
 
@@ -310,5 +368,36 @@ mod tests {
         let mut cfg = Config::default();
         cfg.policy.eviction = "random".into();
         assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn unimplemented_policies_are_refused_by_name() {
+        for (admission, eviction) in [
+            ("always", "clock"),
+            ("always", "lru"),
+            ("second-hit", "fifo"),
+        ] {
+            let mut cfg = Config::default();
+            cfg.policy.admission = admission.into();
+            cfg.policy.eviction = eviction.into();
+            let p = Policy {
+                version: 1,
+                admission: parse_admission(admission).unwrap().into(),
+                eviction: parse_eviction(eviction).unwrap().into(),
+                high_watermark_percent: 95,
+                low_watermark_percent: 85,
+            };
+            let a = IMPLEMENTED_ADMISSION.contains(&p.admission());
+            let e = IMPLEMENTED_EVICTION.contains(&p.eviction());
+            match (cfg.validate(), check_implemented(&p)) {
+                (Ok(()), Ok(())) => assert!(a && e, "{admission}/{eviction} accepted"),
+                (Err(ce), Err(msg)) => {
+                    assert!(!(a && e), "{admission}/{eviction} refused: {msg}");
+                    assert!(msg.contains("not implemented") && msg.contains("implemented: "));
+                    assert!(ce.to_string().contains(&msg), "{ce}");
+                }
+                (c, i) => panic!("config says {c:?}, check says {i:?}"),
+            }
+        }
     }
 }

@@ -10,6 +10,9 @@ use crate::persist::PersistError;
 pub enum CoordError {
     #[error("{0}")]
     InvalidArgument(String),
+    /// A feature the API names that the nodes do not implement.
+    #[error("{0}")]
+    Unimplemented(String),
     #[error("unknown node {}", quoted(.0))]
     UnknownNode(String),
     #[error(
@@ -97,6 +100,7 @@ impl From<CoordError> for tonic::Status {
             CoordError::InvalidArgument(_)
             | CoordError::FileSizeMismatch { .. }
             | CoordError::PageSizeMismatch { .. } => tonic::Status::invalid_argument(msg),
+            CoordError::Unimplemented(_) => tonic::Status::unimplemented(msg),
             CoordError::UnknownNode(_) => tonic::Status::not_found(msg),
             CoordError::StaleIncarnation { .. }
             | CoordError::NotAlive { .. }

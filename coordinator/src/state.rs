@@ -195,7 +195,16 @@ impl Cluster {
             c.released_epoch = vec![map.epoch; map.released_by.len()];
             c.released = map.released_by;
             if let Some(p) = st.policy {
-                c.policy = p;
+                // A policy saved by an older coordinator may name what the
+                // nodes do not implement: the config's replaces it, with a
+                // higher version so nodes that applied the old one switch.
+                match crate::config::check_implemented(&p) {
+                    Ok(()) => c.policy = p,
+                    Err(why) => {
+                        tracing::warn!(saved_version = p.version, %why, "saved policy refused; using the config's");
+                        c.policy.version = p.version + 1;
+                    }
+                }
             }
             c.next_index = st.next_index.max(1);
             c.next_incarnation = st.next_incarnation.max(1);
@@ -804,13 +813,21 @@ impl Cluster {
 
     pub(crate) fn set_policy(&mut self, mut p: Policy) -> Result<Policy, CoordError> {
         crate::config::validate_policy(&p).map_err(CoordError::InvalidArgument)?;
+        crate::config::check_implemented(&p).map_err(CoordError::Unimplemented)?;
         p.version = self.policy.version + 1;
         let old = std::mem::replace(&mut self.policy, p);
         if let Err(e) = self.save() {
             self.policy = old;
             return Err(e);
         }
-        tracing::info!(version = p.version, "policy changed");
+        tracing::info!(
+            version = p.version,
+            admission = crate::config::admission_name(p.admission()),
+            eviction = crate::config::eviction_name(p.eviction()),
+            high = p.high_watermark_percent,
+            low = p.low_watermark_percent,
+            "policy changed"
+        );
         Ok(p)
     }
 
@@ -1201,5 +1218,41 @@ mod tests {
             e.message()
         );
         assert!(!e.message().contains(&"y".repeat(65)));
+    }
+
+    #[test]
+    fn set_policy_refuses_what_the_nodes_do_not_implement() {
+        use crate::config::{IMPLEMENTED_ADMISSION, IMPLEMENTED_EVICTION};
+        use pagewire_proto::v1::{AdmissionPolicy, EvictionPolicy};
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let base = c.policy;
+        for a in [AdmissionPolicy::Always, AdmissionPolicy::SecondHit] {
+            for e in [
+                EvictionPolicy::Clock,
+                EvictionPolicy::Lru,
+                EvictionPolicy::Fifo,
+            ] {
+                let before = c.policy;
+                let mut p = base;
+                p.admission = a.into();
+                p.eviction = e.into();
+                let r = c.set_policy(p);
+                if IMPLEMENTED_ADMISSION.contains(&a) && IMPLEMENTED_EVICTION.contains(&e) {
+                    let got = r.unwrap();
+                    assert_eq!(got.version, before.version + 1);
+                    assert_eq!((got.admission(), got.eviction()), (a, e));
+                } else {
+                    let s = tonic::Status::from(r.unwrap_err());
+                    assert_eq!(s.code(), tonic::Code::Unimplemented, "{a:?}/{e:?}");
+                    assert!(s.message().contains("implemented: "), "{}", s.message());
+                    assert_eq!(c.policy, before, "a refused policy changes nothing");
+                }
+            }
+        }
+        let mut p = base;
+        p.eviction = EvictionPolicy::Unspecified.into();
+        let s = tonic::Status::from(c.set_policy(p).unwrap_err());
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
     }
 }

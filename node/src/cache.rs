@@ -3,7 +3,9 @@
 //! * Hit: [`Core::lookup`] (no lock; see [`crate::raw::index`]).
 //! * Miss: claim the page (single flight), read it and any readahead window
 //!   from the backing file into fresh frames with one `preadv`, publish and
-//!   gang-insert them, release the claim.
+//!   gang-insert them, release the claim. Under the `second-hit` admission
+//!   policy a page's first miss (per the ghost set, [`crate::ghost`]) reads
+//!   it into a private buffer instead: served, never published.
 //! * No free frame: a CLOCK sweep evicts unreferenced, unheld frames.
 //! * Write: claim the page, fill a fresh frame (copy-on-write), write the
 //!   bytes through to the backing file, swap the index entry, retire the old
@@ -13,8 +15,10 @@ use crate::backing::BackingFile;
 use crate::core::{Core, Lost, Sweep};
 use crate::error::{OpenError, ReadError, WriteError};
 use crate::flight::{Claim, Claimed, Flights};
+use crate::ghost::GhostSet;
 use crate::index::{Index, IndexKind, Lockless};
 use crate::layout::{IndexCode, RegionLayout};
+use crate::policy::{Admission, CachePolicy, Eviction};
 use crate::raw::frames::Frames;
 use crate::raw::region::Region;
 use crate::stats::{Counter, Counters, Stats};
@@ -83,47 +87,110 @@ pub struct PageCache<I: Index = Lockless> {
     cfg: CacheConfig,
     pages: u64,
     numa: crate::numa::Placement,
+    policy: std::sync::Mutex<CachePolicy>,
+    /// Admission, copied out of `policy` for the miss path.
+    second_hit: std::sync::atomic::AtomicBool,
+    ghost: GhostSet,
 }
 
-/// A reference to a cached page: the frame cannot be reused while it lives
-/// (zero-copy). Dropping it releases the frame.
+/// A page read: a reference to its cached frame, which cannot be reused
+/// while it lives (zero-copy; dropping it releases the frame), or, for a
+/// page the admission policy kept out of the cache, a private copy.
 pub struct PageRef<'a> {
-    frames: &'a Frames,
-    frame: u32,
+    inner: Held<'a>,
     len: usize,
 }
 
+enum Held<'a> {
+    Frame {
+        frames: &'a Frames,
+        frame: u32,
+    },
+    /// The page's bytes at `buf[off..]` (aligned for O_DIRECT).
+    Uncached {
+        buf: Vec<u8>,
+        off: usize,
+    },
+}
+
 impl PageRef<'_> {
-    /// The frame holding the page.
-    pub fn frame(&self) -> u32 {
-        self.frame
+    /// The frame holding the page; `None` if the page was not admitted to
+    /// the cache (it has no location anyone may be told about).
+    pub fn frame(&self) -> Option<u32> {
+        match self.inner {
+            Held::Frame { frame, .. } => Some(frame),
+            Held::Uncached { .. } => None,
+        }
     }
 
     /// The frame's generation: odd while published; with the frame it names
     /// one immutable copy of the page (not a per-page version: a page faulted
-    /// into another frame can get a smaller number).
-    pub fn frame_generation(&self) -> u64 {
-        self.frames
-            .header(self.frame)
-            .generation
-            .load(crate::sync::Ordering::Relaxed)
+    /// into another frame can get a smaller number). `None` if the page was
+    /// not admitted.
+    pub fn frame_generation(&self) -> Option<u64> {
+        match self.inner {
+            Held::Frame { frames, frame } => Some(
+                frames
+                    .header(frame)
+                    .generation
+                    .load(crate::sync::Ordering::Relaxed),
+            ),
+            Held::Uncached { .. } => None,
+        }
+    }
+
+    /// Whether the page is in the cache (false: served from the backing
+    /// file without being admitted).
+    pub fn is_cached(&self) -> bool {
+        matches!(self.inner, Held::Frame { .. })
     }
 }
 
 impl std::ops::Deref for PageRef<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: we hold a reference on the frame (taken by a successful
-        // lookup or fault), so it is not freed or refilled until our drop;
-        // the slice borrows `self`, so it cannot outlive that reference.
-        unsafe { &self.frames.region().frame(self.frame)[..self.len] }
+        match &self.inner {
+            // SAFETY: we hold a reference on the frame (taken by a successful
+            // lookup or fault), so it is not freed or refilled until our drop;
+            // the slice borrows `self`, so it cannot outlive that reference.
+            Held::Frame { frames, frame } => unsafe { &frames.region().frame(*frame)[..self.len] },
+            Held::Uncached { buf, off } => &buf[*off..*off + self.len],
+        }
     }
 }
 
 impl Drop for PageRef<'_> {
     fn drop(&mut self) {
-        self.frames.put(self.frame);
+        if let Held::Frame { frames, frame } = self.inner {
+            frames.put(frame);
+        }
     }
+}
+
+/// What a fault produced.
+enum Faulted {
+    /// The page's frame, with a reference held.
+    Frame(u32),
+    /// Not admitted: its bytes at `buf[off..]`.
+    Uncached { buf: Vec<u8>, off: usize },
+}
+
+/// A per-thread xorshift64* generator for eviction samples.
+fn next_random() -> u64 {
+    thread_local! {
+        static RNG: Cell<u64> = Cell::new({
+            let seed = &RNG as *const _ as u64;
+            (seed ^ 0x9E37_79B9_7F4A_7C15) | 1
+        });
+    }
+    RNG.with(|r| {
+        let mut x = r.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        r.set(x);
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    })
 }
 
 thread_local! {
@@ -186,6 +253,7 @@ impl<I: Index> PageCache<I> {
         let (addr, len) = region.raw();
         let numa = crate::numa::place(addr, len, cfg.numa_node);
         let pages = file.pages();
+        let frames = cfg.frames;
         Ok(Self {
             core: Core::new(Frames::new(region)),
             file,
@@ -194,6 +262,9 @@ impl<I: Index> PageCache<I> {
             cfg,
             pages,
             numa,
+            policy: std::sync::Mutex::new(CachePolicy::default()),
+            second_hit: std::sync::atomic::AtomicBool::new(false),
+            ghost: GhostSet::new(frames),
         })
     }
 
@@ -246,6 +317,34 @@ impl<I: Index> PageCache<I> {
         }
     }
 
+    /// The admission and eviction policies in force.
+    pub fn policy(&self) -> CachePolicy {
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Switch policies; takes effect for the next miss and eviction.
+    pub fn set_policy(&self, p: CachePolicy) {
+        let mut cur = self.policy.lock().unwrap_or_else(|e| e.into_inner());
+        self.second_hit.store(
+            p.admission == Admission::SecondHit,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.core
+            .frames
+            .set_stamp_mode(if p.eviction == Eviction::Lru {
+                crate::raw::frames::STAMP_ON_HIT
+            } else {
+                crate::raw::frames::STAMP_ON_INSERT
+            });
+        *cur = p;
+    }
+
+    /// Bytes of bookkeeping the policies keep besides the region (the
+    /// ghost set of `second-hit`, allocated at open whatever the policy).
+    pub fn policy_memory(&self) -> usize {
+        self.ghost.len() * 8
+    }
+
     /// Announce a new node epoch in the superblock.
     pub fn set_epoch(&self, epoch: u64) {
         self.core.frames.region().set_epoch(epoch);
@@ -267,8 +366,10 @@ impl<I: Index> PageCache<I> {
 
     fn page_ref(&self, page: u64, frame: u32) -> PageRef<'_> {
         PageRef {
-            frames: &self.core.frames,
-            frame,
+            inner: Held::Frame {
+                frames: &self.core.frames,
+                frame,
+            },
             len: self.file.page_len(page),
         }
     }
@@ -291,8 +392,13 @@ impl<I: Index> PageCache<I> {
             return Ok(r);
         }
         self.check_page(page)?;
-        let f = self.fault(page)?;
-        Ok(self.page_ref(page, f))
+        Ok(match self.fault(page)? {
+            Faulted::Frame(f) => self.page_ref(page, f),
+            Faulted::Uncached { buf, off } => PageRef {
+                inner: Held::Uncached { buf, off },
+                len: self.file.page_len(page),
+            },
+        })
     }
 
     /// Copy the page into `buf` (at least the page's length); returns the
@@ -349,9 +455,10 @@ impl<I: Index> PageCache<I> {
         Ok(())
     }
 
-    /// Fault `page` in; returns its frame with a reference held.
+    /// Fault `page` in; returns its frame with a reference held, or its
+    /// bytes if the admission policy keeps it out.
     #[cold]
-    fn fault(&self, page: u64) -> Result<u32, ReadError> {
+    fn fault(&self, page: u64) -> Result<Faulted, ReadError> {
         self.stats.add(Counter::Misses, 1);
         loop {
             let claim = match self.flights.claim(page) {
@@ -366,9 +473,23 @@ impl<I: Index> PageCache<I> {
             let hit = self.core.lookup(page, &mut retries);
             self.stats.add(Counter::Retries, retries);
             if let Some(f) = hit {
-                return Ok(f);
+                return Ok(Faulted::Frame(f));
             }
-            let ahead = self.readahead_window(page);
+            let second_hit = self.second_hit.load(std::sync::atomic::Ordering::Relaxed);
+            if second_hit && !self.ghost.second_miss(page) {
+                // First miss: read it for the caller only. The claim is held
+                // so that no write of the page runs between the read and
+                // the return (the bytes are current when they are served).
+                let r = self.read_uncached(page);
+                drop(claim);
+                return r;
+            }
+            // No readahead under second-hit: the pages ahead did not miss.
+            let ahead = if second_hit {
+                0
+            } else {
+                self.readahead_window(page)
+            };
             let mut claims = vec![claim];
             for p in page + 1..(page + 1 + ahead as u64).min(self.pages) {
                 if self.is_cached(p) {
@@ -382,13 +503,27 @@ impl<I: Index> PageCache<I> {
             match self.fill_run(&claims) {
                 Ok((Some(f), read)) => {
                     self.note_fault(page, read);
-                    return Ok(f);
+                    return Ok(Faulted::Frame(f));
                 }
                 // Lost an insert race to a writer-allocated copy: look again.
                 Ok((None, _)) => continue,
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Read `page` from the backing file into a private buffer, aligned for
+    /// O_DIRECT; nothing of the cache changes.
+    fn read_uncached(&self, page: u64) -> Result<Faulted, ReadError> {
+        let ps = self.cfg.page_size;
+        let mut buf = vec![0u8; 2 * ps];
+        let off = buf.as_ptr().align_offset(ps);
+        self.file
+            .read_frames(page, &mut [&mut buf[off..off + ps]])?;
+        self.stats.add(Counter::Faults, 1);
+        self.stats.add(Counter::PagesRead, 1);
+        self.stats.add(Counter::AdmitSkipped, 1);
+        Ok(Faulted::Uncached { buf, off })
     }
 
     fn is_cached(&self, page: u64) -> bool {
@@ -435,6 +570,7 @@ impl<I: Index> PageCache<I> {
             return Err(e.into());
         }
         self.stats.add(Counter::Faults, 1);
+        self.core.frames.advance_clock();
         self.stats.add(Counter::PagesRead, frames.len() as u64);
         self.stats.add(Counter::Readahead, frames.len() as u64 - 1);
         let run: Vec<(u32, u32)> = frames
@@ -489,8 +625,13 @@ impl<I: Index> PageCache<I> {
         self.core.frames.alloc().ok_or(ReadError::NoFrame)
     }
 
-    /// CLOCK sweep: free up to `want` frames; gives up after two full turns.
+    /// Free up to `want` frames by the eviction policy: a CLOCK sweep, or
+    /// for `lru`/`fifo` the oldest stamp of each random sample. Gives up
+    /// after two full turns (CLOCK) or `2 × frames` samples.
     pub fn reclaim(&self, want: usize) -> usize {
+        if self.policy().eviction != Eviction::Clock {
+            return self.reclaim_sampled(want);
+        }
         let (mut freed, mut busy) = (0, 0);
         let n = self.core.frames.count();
         for _ in 0..2 * n {
@@ -506,6 +647,55 @@ impl<I: Index> PageCache<I> {
         self.stats.add(Counter::Evictions, freed as u64);
         self.stats.add(Counter::EvictBusy, busy);
         freed
+    }
+
+    fn reclaim_sampled(&self, want: usize) -> usize {
+        let (mut freed, mut busy) = (0, 0);
+        let n = self.core.frames.count();
+        for _ in 0..2 * n {
+            if freed >= want {
+                break;
+            }
+            let Some(f) = self.oldest_sampled() else {
+                continue;
+            };
+            match self.core.evict_chosen(f) {
+                Sweep::Evicted => freed += 1,
+                Sweep::Busy => busy += 1,
+                Sweep::SecondChance | Sweep::Skip => {}
+            }
+        }
+        self.stats.add(Counter::Evictions, freed as u64);
+        self.stats.add(Counter::EvictBusy, busy);
+        freed
+    }
+
+    /// The published frame with the smallest stamp among
+    /// [`crate::policy::SAMPLE`] frames drawn at random (every frame when
+    /// there are no more than that). Racy: the caller's eviction rechecks.
+    fn oldest_sampled(&self) -> Option<u32> {
+        let frames = &self.core.frames;
+        let n = frames.count();
+        let published = |f: u32| {
+            frames.header(f).state.load(crate::sync::Ordering::Relaxed)
+                == crate::layout::FrameState::Published as u32
+        };
+        let pick = |best: Option<(u64, u32)>, f: u32| {
+            if !published(f) {
+                return best;
+            }
+            let s = frames.stamp(f);
+            match best {
+                Some((b, _)) if b <= s => best,
+                _ => Some((s, f)),
+            }
+        };
+        let best = if n <= crate::policy::SAMPLE {
+            (0..n as u32).fold(None, pick)
+        } else {
+            (0..crate::policy::SAMPLE).fold(None, |b, _| pick(b, (next_random() % n as u64) as u32))
+        };
+        best.map(|(_, f)| f)
     }
 
     /// Evict one page if it is cached and no reader holds it.

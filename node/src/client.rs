@@ -688,8 +688,10 @@ impl ClusterClient {
                 }
                 out[..len].copy_from_slice(&f.data);
                 out[len..].fill(0);
-                if let Some(o) = self.owners.get_mut(&index) {
-                    o.reader.learn(page, f.frame, f.generation);
+                if let (Some(o), Some((frame, generation))) =
+                    (self.owners.get_mut(&index), f.location)
+                {
+                    o.reader.learn(page, frame, generation);
                 }
                 Ok((Via::FaultIn, index))
             }

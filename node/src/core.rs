@@ -142,6 +142,18 @@ impl<I: Index> Core<I> {
         self.remove_frame(page, f, generation)
     }
 
+    /// Try to evict frame `f`, chosen by stamp (no second chance).
+    pub(crate) fn evict_chosen(&self, f: u32) -> Sweep {
+        let h = self.frames.header(f);
+        if h.state.load(Ordering::Relaxed) != FrameState::Published as u32 {
+            return Sweep::Skip;
+        }
+        // Racy reads: `remove` rechecks page → (f, generation) under the lock.
+        let page = h.page.load(Ordering::Relaxed);
+        let generation = h.generation.load(Ordering::Relaxed);
+        self.remove_frame(page, f, generation)
+    }
+
     /// Evict `page` from frame `f` at `generation`, if it is still there.
     pub(crate) fn remove_frame(&self, page: u64, f: u32, generation: u64) -> Sweep {
         match self.index.remove(&self.frames, page, f, generation) {

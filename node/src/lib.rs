@@ -24,6 +24,7 @@
 
 pub mod layout;
 pub mod pattern;
+pub mod policy;
 #[doc(hidden)]
 pub mod raw;
 pub(crate) mod sync;
@@ -43,6 +44,8 @@ pub mod daemon;
 pub mod error;
 #[cfg(not(loom))]
 mod flight;
+#[cfg(not(loom))]
+mod ghost;
 #[cfg(not(loom))]
 pub mod numa;
 #[cfg(not(loom))]

@@ -21,9 +21,10 @@ pub(crate) enum Counter {
     Writes,
     BytesWritten,
     FlightWaits,
+    AdmitSkipped,
 }
 
-const COUNTERS: usize = 11;
+const COUNTERS: usize = 12;
 const STRIPES: usize = 32;
 
 static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
@@ -75,6 +76,7 @@ impl Counters {
             writes: self.sum(Writes),
             bytes_written: self.sum(BytesWritten),
             flight_waits: self.sum(FlightWaits),
+            admissions_skipped: self.sum(AdmitSkipped),
         }
     }
 }
@@ -105,4 +107,7 @@ pub struct Stats {
     pub bytes_written: u64,
     /// Misses that waited for another thread's fault of the same page.
     pub flight_waits: u64,
+    /// Misses served from the backing file without inserting the page (the
+    /// admission policy refused it).
+    pub admissions_skipped: u64,
 }

@@ -1,6 +1,7 @@
 //! Behaviour of the page cache through its public API, for every index variant.
 
 use pagewire_node::index::{Index, Lockless, Mutexed, RwLocked, Sharded};
+use pagewire_node::policy::{Admission, CachePolicy};
 use pagewire_node::{CacheConfig, Evicted, OpenError, PageCache, ReadError, WriteError, pattern};
 use std::path::PathBuf;
 
@@ -37,6 +38,8 @@ trait Cache {
     fn write_at(&self, page: u64, off: usize, data: &[u8]) -> Result<u64, WriteError>;
     fn evict(&self, page: u64) -> Evicted;
     fn stats(&self) -> pagewire_node::Stats;
+    fn set_policy(&self, p: CachePolicy);
+    fn read_into(&self, page: u64, buf: &mut [u8]) -> Result<usize, ReadError>;
 }
 
 impl<I: Index> Cache for PageCache<I> {
@@ -57,6 +60,12 @@ impl<I: Index> Cache for PageCache<I> {
     }
     fn stats(&self) -> pagewire_node::Stats {
         PageCache::stats(self)
+    }
+    fn set_policy(&self, p: CachePolicy) {
+        PageCache::set_policy(self, p)
+    }
+    fn read_into(&self, page: u64, buf: &mut [u8]) -> Result<usize, ReadError> {
+        PageCache::read_into(self, page, buf)
     }
 }
 
@@ -272,8 +281,8 @@ fn region_is_self_describing() {
     let (_d, path) = file(8, 0);
     let c = PageCache::open(&path, cfg(8)).unwrap();
     let g = c.get(6).unwrap();
-    let frame = g.frame();
-    let generation = g.frame_generation();
+    let frame = g.frame().unwrap();
+    let generation = g.frame_generation().unwrap();
     let view = c.region();
     // SAFETY: the region is live for the cache's lifetime and nothing writes
     // it while this single-threaded test reads it.
@@ -365,7 +374,7 @@ fn overflow_chains_are_readable_from_raw_bytes() {
             b = RawBucket::decode(&raw[l.overflow(o)..]).unwrap();
             hops += 1;
         };
-        assert_eq!(layout::val_frame(val), g.frame());
+        assert_eq!(Some(layout::val_frame(val)), g.frame());
         assert!(hops <= 2);
         pattern::verify(p, g).unwrap();
     }
@@ -385,4 +394,87 @@ fn overflow_chains_are_readable_from_raw_bytes() {
     for &p in &chain {
         pattern::verify(p, &c.get(p).unwrap()).unwrap();
     }
+}
+
+#[test]
+fn second_hit_admits_on_the_second_miss_only_and_serves_every_read() {
+    each_variant(|open| {
+        // 40 pages (the last one short) over 8 frames.
+        let (_d, path) = file(39, 100);
+        let c = open(&path, cfg(8));
+        c.set_policy(CachePolicy {
+            admission: Admission::SecondHit,
+            ..CachePolicy::default()
+        });
+        let mut buf = vec![0u8; PS];
+        for p in 0..40 {
+            // First miss: correct bytes, not cached.
+            pattern::verify(p, &c.read(p).unwrap()).unwrap();
+            assert!(!c.cached(p), "page {p} admitted on its first miss");
+            assert_eq!(c.stats().admissions_skipped, p + 1);
+            // Second miss (through the copy-out path on odd pages): admitted.
+            if p % 2 == 1 {
+                let n = c.read_into(p, &mut buf).unwrap();
+                pattern::verify(p, &buf[..n]).unwrap();
+            } else {
+                pattern::verify(p, &c.read(p).unwrap()).unwrap();
+            }
+            assert!(c.cached(p), "page {p} not admitted on its second miss");
+            // A hit stays a hit.
+            pattern::verify(p, &c.read(p).unwrap()).unwrap();
+        }
+        let s = c.stats();
+        assert_eq!(s.admissions_skipped, 40);
+        assert!(s.evictions >= 32, "{s:?}");
+        // An admitted page that was evicted starts over (the ghost set
+        // forgot it when it was admitted).
+        let _ = c.evict(3);
+        pattern::verify(3, &c.read(3).unwrap()).unwrap();
+        assert!(!c.cached(3));
+        assert_eq!(c.stats().admissions_skipped, 41);
+        // A write of an uncached page inserts it (write-through copy), and a
+        // later read of it hits.
+        let data = vec![7u8; PS];
+        c.write(5, &data).unwrap();
+        assert_eq!(c.read(5).unwrap(), data);
+        // Back to always: the next miss is admitted at once.
+        c.set_policy(CachePolicy::default());
+        pattern::verify(6, &c.read(6).unwrap()).unwrap();
+        assert!(c.cached(6));
+    });
+}
+
+#[test]
+fn fifo_evicts_the_first_inserted_and_lru_the_least_recently_hit() {
+    use pagewire_node::policy::Eviction;
+    each_variant(|open| {
+        for (eviction, victim) in [(Eviction::Fifo, 0), (Eviction::Lru, 1)] {
+            let (_d, path) = file(16, 0);
+            // 8 frames: no more than the sample, so the choice is exact.
+            let c = open(
+                &path,
+                CacheConfig {
+                    readahead_max: 0,
+                    evict_batch: 1,
+                    ..cfg(8)
+                },
+            );
+            c.set_policy(CachePolicy {
+                eviction,
+                ..CachePolicy::default()
+            });
+            for p in 0..8 {
+                pattern::verify(p, &c.read(p).unwrap()).unwrap();
+            }
+            // Hits of page 0 (both paths) after page 7 was inserted.
+            pattern::verify(0, &c.read(0).unwrap()).unwrap();
+            let mut buf = vec![0u8; PS];
+            c.read_into(0, &mut buf).unwrap();
+            pattern::verify(8, &c.read(8).unwrap()).unwrap();
+            assert_eq!(c.stats().evictions, 1, "{eviction:?}");
+            for p in 0..9 {
+                assert_eq!(c.cached(p), p != victim, "{eviction:?}: page {p}");
+            }
+        }
+    });
 }

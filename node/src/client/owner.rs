@@ -210,9 +210,9 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
 pub(crate) struct Faulted {
     /// The page's bytes (its valid length).
     pub(crate) data: Vec<u8>,
-    /// Where the owner holds it: frame and frame generation.
-    pub(crate) frame: u32,
-    pub(crate) generation: u64,
+    /// Where the owner holds it: frame and frame generation; `None` when
+    /// the owner served it without caching it (generation 0 on the wire).
+    pub(crate) location: Option<(u32, u64)>,
 }
 
 /// Faults `page` in on its owner (`FaultIn` with `want_data`) and takes the
@@ -242,8 +242,7 @@ pub(crate) async fn fault_in(
         u32::try_from(loc.frame_index).map_err(|e| tonic::Status::internal(e.to_string()))?;
     Ok(Faulted {
         data: r.data,
-        frame,
-        generation: loc.frame_generation,
+        location: (loc.frame_generation != 0).then_some((frame, loc.frame_generation)),
     })
 }
 

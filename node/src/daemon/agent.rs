@@ -364,26 +364,28 @@ impl Agent {
     }
 
     fn apply_policy(&self, p: pagewire_proto::v1::Policy) {
-        use pagewire_proto::v1::{AdmissionPolicy, EvictionPolicy};
         let mut cur = self.node.policy.lock().unwrap_or_else(|e| e.into_inner());
         if p.version <= cur.version {
             return;
         }
-        *cur = p;
+        // The node reports what it applied, not what it was asked.
+        let (applied, reported, refused) = super::policy::apply(&self.node.cache, &p);
+        *cur = reported;
+        if let Some(why) = refused {
+            tracing::error!(
+                version = p.version,
+                %why,
+                "policy refused in part: the cache keeps {applied}"
+            );
+        }
         tracing::info!(
             version = p.version,
-            admission = ?p.admission(),
-            eviction = ?p.eviction(),
+            admission = applied.admission.name(),
+            eviction = applied.eviction.name(),
             high = p.high_watermark_percent,
             low = p.low_watermark_percent,
             "policy applied"
         );
-        if p.admission() != AdmissionPolicy::Always || p.eviction() != EvictionPolicy::Clock {
-            tracing::warn!(
-                "the local cache admits every page and evicts by CLOCK; only the watermarks \
-                 of this policy take effect"
-            );
-        }
     }
 
     /// Leaves the cluster on purpose (on shutdown), so extents move at once.

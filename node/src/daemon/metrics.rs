@@ -59,6 +59,12 @@ impl prometheus_client::collector::Collector for NodeCollector {
         counter(&mut enc, "cache_evictions", "Frames evicted", s.evictions)?;
         counter(
             &mut enc,
+            "cache_admissions_skipped",
+            "Misses served from the backing file without caching the page",
+            s.admissions_skipped,
+        )?;
+        counter(
+            &mut enc,
             "cache_retries",
             "Lookups retried after a lost race",
             s.retries,

@@ -15,6 +15,7 @@ mod error;
 mod lease;
 mod metrics;
 mod ownership;
+mod policy;
 mod remote_source;
 mod service;
 mod transports;
@@ -65,6 +66,8 @@ pub(crate) struct Node {
     pub(crate) one_sided: Option<Arc<remote_source::OneSided>>,
     pub(crate) index: AtomicU32,
     pub(crate) incarnation: AtomicU64,
+    /// The last pushed policy as applied (a refused part reads as what
+    /// the cache kept).
     pub(crate) policy: Mutex<Policy>,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) stale_rejections: AtomicU64,
@@ -214,6 +217,7 @@ impl Node {
             capacity_pages: frames,
             extents_owned: self.view().map_or(0, |v| v.owned()),
             stale_map_rejections: self.stale_rejections.load(Ordering::Relaxed),
+            admissions_skipped: s.admissions_skipped,
             ..self.remote_stats()
         }
     }

@@ -140,8 +140,7 @@ impl PageSource for OneSided {
                     self.stats.fallbacks.fetch_add(1, Ordering::Relaxed);
                     let Faulted {
                         data: bytes,
-                        frame,
-                        generation,
+                        location,
                     } = self
                         .fault_in(owner, page)
                         .map_err(|why| unavailable(page, why))?;
@@ -154,7 +153,14 @@ impl PageSource for OneSided {
                             ),
                         ));
                     }
-                    o.reader.learn(page, frame, generation);
+                    // A page the owner did not cache has no location.
+                    let generation = match location {
+                        Some((frame, generation)) => {
+                            o.reader.learn(page, frame, generation);
+                            generation
+                        }
+                        None => 0,
+                    };
                     data.extend_from_slice(&bytes);
                     gens.push(generation);
                 }

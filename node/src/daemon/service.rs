@@ -25,6 +25,7 @@ use tonic::{Request, Response, Status};
 
 use super::ownership::Role;
 use super::{DaemonError, MapView, Node};
+use crate::policy::Admission;
 
 pub(crate) struct NodeService {
     pub(crate) node: Arc<Node>,
@@ -210,17 +211,24 @@ impl NodeRpc for NodeService {
         let resp = blocking(move || {
             let ((frames, data), epoch) =
                 node.serve(first, count, req.map_epoch, Access::Fill, |_, _| {
-                    // One gang read for the missing part of the run, then the frames.
-                    node.cache.preload(first, count)?;
+                    // One gang read for the missing part of the run, then the
+                    // frames. Under second-hit admission each page's miss
+                    // goes through the policy instead (`get`).
+                    if node.cache.policy().admission == Admission::Always {
+                        node.cache.preload(first, count)?;
+                    }
                     let mut frames = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
                     let mut data = Vec::new();
                     for page in first..first + count {
                         let r = node.cache.get(page)?;
+                        // A page the policy did not admit has no frame: its
+                        // location is (0, generation 0), never a frame that
+                        // is not published.
                         frames.push(FrameLocation {
                             page,
                             node_index: me,
-                            frame_index: u64::from(r.frame()),
-                            frame_generation: r.frame_generation(),
+                            frame_index: u64::from(r.frame().unwrap_or(0)),
+                            frame_generation: r.frame_generation().unwrap_or(0),
                         });
                         if req.want_data {
                             data.extend_from_slice(&r);
@@ -256,7 +264,7 @@ impl NodeRpc for NodeService {
                             Segment::Cache { first, count } => {
                                 for page in first..first + count {
                                     let r = node.cache.get(page)?;
-                                    generations.push(r.frame_generation());
+                                    generations.push(r.frame_generation().unwrap_or(0));
                                     data.extend_from_slice(&r);
                                 }
                             }

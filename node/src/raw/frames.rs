@@ -43,6 +43,11 @@
 //! * `refcount` is touched by anyone, with the transitions below.
 //! * `flags` (CLOCK referenced bit): readers set it, the evictor clears it;
 //!   advisory only.
+//! * `stamps[f]` (outside the region, local only): the logical time the
+//!   frame was published (eviction `fifo`) or last hit (`lru`); plain std
+//!   atomics, Relaxed, advisory only, like `flags`: the evictor uses them to
+//!   *choose* a candidate, which then goes through transitions 6–8 exactly
+//!   like a CLOCK victim. No safety property reads them.
 //!
 //! # Transitions
 //!
@@ -232,11 +237,22 @@ impl FreeList {
     }
 }
 
+/// Which stamp a hit refreshes (the eviction policy, as frames see it).
+pub(crate) const STAMP_ON_INSERT: u8 = 0;
+/// `lru`: a hit refreshes the frame's stamp too.
+pub(crate) const STAMP_ON_HIT: u8 = 1;
+
 /// The frame table over a region. Opaque outside this crate.
 pub struct Frames {
     pub(crate) region: Region,
     free: FreeList,
     hand: crate::sync::AtomicU64,
+    /// Per frame: logical time of publication (or last hit under `lru`).
+    stamps: Box<[std::sync::atomic::AtomicU64]>,
+    /// The logical clock: advanced once per fault (run of pages read).
+    tick: std::sync::atomic::AtomicU64,
+    /// `STAMP_ON_INSERT` or `STAMP_ON_HIT`.
+    stamp_mode: std::sync::atomic::AtomicU8,
 }
 
 impl Frames {
@@ -246,6 +262,11 @@ impl Frames {
             region,
             free: FreeList::full(n),
             hand: crate::sync::AtomicU64::new(0),
+            stamps: (0..n)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+            tick: std::sync::atomic::AtomicU64::new(0),
+            stamp_mode: std::sync::atomic::AtomicU8::new(STAMP_ON_INSERT),
         }
     }
 
@@ -322,6 +343,7 @@ impl Frames {
             "making a referenced frame {f} visible"
         );
         h.flags.store(FLAG_REFERENCED, Ordering::Relaxed);
+        self.stamps[f as usize].store(self.now(), std::sync::atomic::Ordering::Relaxed);
         // Release: the bytes, page, len and checksum stored before (and the
         // invalidation of the page's previous copy) are visible to whoever
         // sees this generation.
@@ -461,12 +483,45 @@ impl Frames {
 
     /// Set the CLOCK bit on a hit (a load first, so hot frames stay shared
     /// in every reader's cache instead of bouncing on a store).
+    /// Under `lru` it refreshes the frame's stamp instead, the same way: a
+    /// load, and a store only if the clock moved since.
     #[inline]
     pub(crate) fn touch(&self, f: u32) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.stamp_mode.load(Relaxed) == STAMP_ON_HIT {
+            let now = self.now();
+            let s = &self.stamps[f as usize];
+            if s.load(Relaxed) != now {
+                s.store(now, Relaxed);
+            }
+            return;
+        }
         let flags = &self.header(f).flags;
         if flags.load(Ordering::Relaxed) & FLAG_REFERENCED == 0 {
             flags.fetch_or(FLAG_REFERENCED, Ordering::Relaxed);
         }
+    }
+
+    /// The logical clock of stamps.
+    #[inline]
+    fn now(&self) -> u64 {
+        self.tick.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Advance the logical clock (once per fault).
+    pub(crate) fn advance_clock(&self) {
+        self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Choose `STAMP_ON_INSERT` (fifo, clock) or `STAMP_ON_HIT` (lru).
+    pub(crate) fn set_stamp_mode(&self, mode: u8) {
+        self.stamp_mode
+            .store(mode, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Frame `f`'s stamp (advisory).
+    pub(crate) fn stamp(&self, f: u32) -> u64 {
+        self.stamps[f as usize].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Advance the CLOCK hand; returns the frame under it.
