@@ -11,6 +11,7 @@ mod insert;
 mod local;
 mod machine;
 mod plot;
+mod policy;
 mod remote;
 mod report;
 mod storm;
@@ -31,6 +32,10 @@ enum Cmd {
     /// Read-fault storm on one node: N threads reading a file preloaded in
     /// the cache, every index variant and Linux pread side by side.
     Local(local::Args),
+    /// Eviction {clock, lru, fifo} × admission {always, second-hit} side
+    /// by side: a zipfian read storm through a cache smaller than the file,
+    /// hit ratio and pages/s per combination.
+    Policy(policy::Args),
     /// 1-byte reads and writes through each index variant (`dd bs=1`).
     Bytes(bytes::Args),
     /// 2^23 sequential page insertions: single and gang, global lock and
@@ -89,6 +94,7 @@ fn bench() -> anyhow::Result<()> {
         .init();
     match Cli::parse().cmd {
         Cmd::Local(a) => local::run(&a),
+        Cmd::Policy(a) => policy::run(&a),
         Cmd::Bytes(a) => bytes::run(&a),
         Cmd::Insert(a) => insert::run(&a),
         Cmd::Transport(a) => transport::run(&a),

@@ -30,7 +30,7 @@ mod faults;
 mod procs;
 pub mod reader;
 mod report;
-mod workload;
+pub(crate) mod workload;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
