@@ -2,11 +2,16 @@
 //! writers over a self-describing file, every byte of every read verified,
 //! and no read older than an acknowledged write.
 //!
-//! Bounded by default (`PAGEWIRE_STRESS_SECS`, default 2 s per index
-//! variant); set it higher for a soak, e.g. `PAGEWIRE_STRESS_SECS=300`.
-//! It prints what it covered.
+//! Every eviction × admission combination runs on the lockless index; each
+//! other index variant runs under one combination (rotated), so every
+//! policy also meets a locked index.
+//!
+//! Bounded by default (`PAGEWIRE_STRESS_SECS`, default 2 s per run: six
+//! lockless runs and three others, 18 s in all); set it higher for a soak,
+//! e.g. `PAGEWIRE_STRESS_SECS=300`. It prints what it covered.
 
 use pagewire_node::index::{Index, Lockless, Mutexed, RwLocked, Sharded};
+use pagewire_node::policy::{Admission, CachePolicy, Eviction};
 use pagewire_node::{CacheConfig, PageCache, ReadError, pattern};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -33,7 +38,7 @@ struct Tally {
     no_frame: AtomicU64,
 }
 
-fn stress<I: Index>(seed: u64) {
+fn stress<I: Index>(seed: u64, policy: CachePolicy) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("data");
     pattern::generate_file(&path, PAGES * PS as u64, PS).unwrap();
@@ -49,6 +54,7 @@ fn stress<I: Index>(seed: u64) {
         )
         .unwrap(),
     );
+    cache.set_policy(policy);
     // Highest acknowledged generation of each page, and test-side writer
     // serialisation per page (so generations only grow).
     let acked: Arc<Vec<AtomicU64>> = Arc::new((0..PAGES).map(|_| AtomicU64::new(0)).collect());
@@ -192,7 +198,7 @@ fn stress<I: Index>(seed: u64) {
         "the stress did too little to mean anything"
     );
     println!(
-        "stress {:9}: {:.1} s, {} verified reads ({} MiB), {} writes, {} evictions by the evictor, {} NoFrame; cache: {st:?}",
+        "stress {:9} ({policy}): {:.1} s, {} verified reads ({} MiB), {} writes, {} evictions by the evictor, {} NoFrame; cache: {st:?}",
         I::KIND.name(),
         secs(),
         t.reads.load(Ordering::Relaxed),
@@ -203,22 +209,35 @@ fn stress<I: Index>(seed: u64) {
     );
 }
 
+fn policy(eviction: Eviction, admission: Admission) -> CachePolicy {
+    CachePolicy {
+        admission,
+        eviction,
+    }
+}
+
 #[test]
 fn stress_lockless() {
-    stress::<Lockless>(1);
+    let mut seed = 1;
+    for e in [Eviction::Clock, Eviction::Lru, Eviction::Fifo] {
+        for a in [Admission::Always, Admission::SecondHit] {
+            stress::<Lockless>(seed, policy(e, a));
+            seed += 10;
+        }
+    }
 }
 
 #[test]
 fn stress_rwlock() {
-    stress::<RwLocked>(2);
+    stress::<RwLocked>(2, policy(Eviction::Lru, Admission::SecondHit));
 }
 
 #[test]
 fn stress_mutex() {
-    stress::<Mutexed>(3);
+    stress::<Mutexed>(3, policy(Eviction::Fifo, Admission::Always));
 }
 
 #[test]
 fn stress_sharded() {
-    stress::<Sharded>(4);
+    stress::<Sharded>(4, policy(Eviction::Clock, Admission::SecondHit));
 }
