@@ -159,7 +159,7 @@ fn read_for(
         move || {
             let (p, _) = ch.next();
             n += 1;
-            let t0 = (n % every == 0).then(Instant::now);
+            let t0 = n.is_multiple_of(every).then(Instant::now);
             match cache.get(p) {
                 Ok(g) => {
                     if let Some(t0) = t0 {
