@@ -1222,7 +1222,11 @@ fn a_second_process_with_a_live_node_id_exits_and_a_left_node_stays_left() {
     c.start_node("m2", 256);
     c.wait_stable(2);
     let nodes = c.json(&["nodes"]);
-    let addr = nodes[0]["grpc_address"]
+    // Nodes come in registration order: find m1 by id.
+    let addr = nodes
+        .as_array()
+        .and_then(|ns| ns.iter().find(|n| n["node_id"] == "m1"))
+        .expect("m1 listed")["grpc_address"]
         .as_str()
         .expect("address")
         .to_owned();
@@ -1307,10 +1311,17 @@ fn pwctl_names_wrong_addresses_frozen_nodes_and_token_mistakes() {
     assert!(took < Duration::from_secs(4), "stats took {took:?}");
     let rows = stats.as_array().expect("rows");
     assert_eq!(rows.len(), 2, "{stats}");
-    assert_eq!(rows[0]["reachable"], true, "{stats}");
-    assert_eq!(rows[1]["reachable"], false, "{stats}");
+    // Rows come in node-index order, which is registration order: find them
+    // by id.
+    let row = |id: &str| {
+        rows.iter()
+            .find(|r| r["node_id"] == id)
+            .unwrap_or_else(|| panic!("no row for {id}: {stats}"))
+    };
+    assert_eq!(row("m1")["reachable"], true, "{stats}");
+    assert_eq!(row("m2")["reachable"], false, "{stats}");
     assert!(
-        rows[1]["source"]
+        row("m2")["source"]
             .as_str()
             .unwrap_or("")
             .contains("UNREACHABLE"),
