@@ -28,10 +28,10 @@ cargo build --locked -p pagewire-coordinator --bins -p pagewire-node --bin pagew
 echo "== tests: proto, coordinator (unit + end-to-end), node daemon"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
-  cargo nextest run --locked --no-fail-fast -p pagewire-node --bin pagewire-node
+  cargo nextest run --locked --no-fail-fast -p pagewire-node --lib daemon::
 else
   cargo test --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
-  cargo test --locked --no-fail-fast -p pagewire-node --bin pagewire-node
+  cargo test --locked --no-fail-fast -p pagewire-node --lib daemon::
 fi
 
 B=target/debug
