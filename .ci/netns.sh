@@ -46,7 +46,8 @@ timeout --kill-after=20 240 bash bench/scripts/storm-netns.sh --nodes 3 --reader
   --compare-duration 1s --lease-ms 1500 --json --out "${CARGO_TARGET_DIR:-target}/storm-netns" |
   python3 -c '
 import json, sys
-d = json.loads(sys.stdin.read().strip().splitlines()[-1])
+# The script logs to stdout too: take the JSON line of the storm.
+d = json.loads([l for l in sys.stdin.read().splitlines() if l.startswith("{\"bench\"")][-1])
 assert d["bench"] == "storm", d
 for r in d["results"]:
     assert r["wrong_reads"] == 0 and r["stale_reads"] == 0, r
