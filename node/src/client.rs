@@ -329,6 +329,17 @@ fn node_of(map: &OwnershipMap, index: u32, page: u64) -> Result<&MapNode, Step> 
     })
 }
 
+/// The node that answers reads of `page` at `map` (its index and entry).
+fn reader_of(map: &OwnershipMap, page: u64) -> Result<(u32, &MapNode), Step> {
+    let index = read_owner(map, page).ok_or_else(|| {
+        Step::Backoff(format!(
+            "no node answers page {page} at epoch {}",
+            map.epoch
+        ))
+    })?;
+    Ok((index, node_of(map, index, page)?))
+}
+
 /// Reads and writes pages of the cluster's file. One per thread (Send, not necessarily Sync).
 pub struct ClusterClient {
     follower: Arc<MapFollower>,
@@ -630,13 +641,7 @@ impl ClusterClient {
         out: &mut [u8],
         left: Duration,
     ) -> Result<(Via, u32), Step> {
-        let index = read_owner(&snap.map, page).ok_or_else(|| {
-            Step::Backoff(format!(
-                "no node answers page {page} at epoch {}",
-                snap.map.epoch
-            ))
-        })?;
-        let node = node_of(&snap.map, index, page)?;
+        let (index, node) = reader_of(&snap.map, page)?;
         let Some(trust) = snap.trust_until else {
             return Err(Step::LeaseExpired("the map has no trust window".into()));
         };
@@ -721,13 +726,7 @@ impl ClusterClient {
         out: &mut [u8],
         left: Duration,
     ) -> Result<(Via, u32), Step> {
-        let index = read_owner(&snap.map, page).ok_or_else(|| {
-            Step::Backoff(format!(
-                "no node answers page {page} at epoch {}",
-                snap.map.epoch
-            ))
-        })?;
-        let node = node_of(&snap.map, index, page)?;
+        let (index, node) = reader_of(&snap.map, page)?;
         let epoch = snap.map.epoch;
         let r = self.rpc(node, page, left, |mut n| async move {
             n.read(ReadRequest {

@@ -386,7 +386,7 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
         hist: Histogram::new_with_bounds(100, 120_000_000_000, 3)?,
         tick: Tick::default(),
     };
-    let mut buf = vec![0u8; pattern_page()];
+    let mut buf = vec![0u8; clients::PAGE];
     let mut wrng = fastrand::Rng::with_seed(a.seed ^ (a.id << 32) ^ 0x5752);
     let mut stdout = std::io::stdout().lock();
 
@@ -495,8 +495,4 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
         .collect();
     emit(&mut stdout, &Line::Final(Box::new(st.fin)))?;
     Ok(())
-}
-
-fn pattern_page() -> usize {
-    clients::PAGE
 }

@@ -110,10 +110,6 @@ fn hist<'a>(pairs: impl Iterator<Item = &'a [(u64, u64)]>) -> Histogram<u64> {
     h
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    crate::report::median(std::mem::take(&mut v))
-}
-
 pub fn build(
     a: &Args,
     s: &Summary,
@@ -223,7 +219,7 @@ pub fn build(
                 .filter(|x| x.0 > *at && x.0 <= upto + bin_s)
                 .map(|x| x.1)
                 .fold(f64::INFINITY, f64::min);
-            let base = median(before);
+            let base = crate::report::median(before);
             let min = if after.is_finite() { after } else { 0.0 };
             events.push(EventRow {
                 event: f.describe(),
