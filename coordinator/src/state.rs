@@ -879,6 +879,7 @@ impl Cluster {
             policy: Some(self.policy),
             uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             version: env!("CARGO_PKG_VERSION").to_owned(),
+            ..Default::default()
         }
     }
 
