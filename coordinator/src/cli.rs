@@ -22,9 +22,18 @@ struct Args {
     /// Prometheus /metrics listen address (host:port); "" disables it.
     #[arg(long)]
     metrics_listen: Option<String>,
-    /// State file (members, map, epoch, policy).
+    /// State file (members, map, epoch, policy), for the file store.
     #[arg(long)]
     state_file: Option<PathBuf>,
+    /// Where the state lives: "file" (the state file, default),
+    /// "file:PATH", or "etcd://host:port,..." (several coordinators, one
+    /// leading; needs the `etcd` build feature).
+    #[arg(long)]
+    store: Option<String>,
+    /// The gRPC address other coordinators name to clients (host:port;
+    /// default: the address bound for --listen).
+    #[arg(long)]
+    advertise: Option<String>,
     /// File holding the cluster token.
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -77,6 +86,12 @@ where
     }
     if let Some(v) = args.state_file {
         cfg.state_file = v;
+    }
+    if let Some(v) = args.store {
+        cfg.store = v;
+    }
+    if let Some(v) = args.advertise {
+        cfg.advertise = v;
     }
     if let Some(v) = args.token_file {
         cfg.token = String::new();

@@ -55,9 +55,43 @@ pub struct Config {
     pub heartbeat_interval_ms: u64,
     pub node_rpc_timeout_ms: u64,
     pub log: String,
+    pub store: String,
+    pub advertise: String,
     pub map: MapConfig,
     pub policy: PolicyConfig,
     pub tls: TlsConfig,
+    pub etcd: EtcdConfig,
+}
+
+/// The `[etcd]` section: how to reach etcd when `store` is `etcd://...`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EtcdConfig {
+    pub prefix: String,
+    pub lease_ttl_s: u64,
+    pub request_timeout_ms: u64,
+    pub username: String,
+    pub password_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub domain: String,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            lease_ttl_s: 3,
+            request_timeout_ms: 2000,
+            username: String::new(),
+            password_file: None,
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            domain: String::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -100,9 +134,12 @@ impl Default for Config {
             heartbeat_interval_ms: 0,
             node_rpc_timeout_ms: 30_000,
             log: "info".into(),
+            store: String::new(),
+            advertise: String::new(),
             map: MapConfig::default(),
             policy: PolicyConfig::default(),
             tls: TlsConfig::default(),
+            etcd: EtcdConfig::default(),
         }
     }
 }
@@ -330,7 +367,77 @@ impl Config {
             ));
         }
         self.policy()?;
+        let spec = self.store_spec()?;
+        if !self.advertise.is_empty()
+            && !self
+                .advertise
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0))
+        {
+            return Err(invalid(
+                "advertise",
+                format!("{:?} is not host:port", self.advertise),
+            ));
+        }
+        if let crate::store::StoreSpec::Etcd(_) = spec {
+            if !cfg!(feature = "etcd") {
+                return Err(invalid(
+                    "store",
+                    "this coordinator was built without the etcd store: rebuild it with \
+                     `--features etcd` (its build needs protoc: Debian's protobuf-compiler \
+                     and libprotobuf-dev)",
+                ));
+            }
+            let e = &self.etcd;
+            if !(2..=3600).contains(&e.lease_ttl_s) {
+                return Err(invalid(
+                    "etcd.lease_ttl_s",
+                    "must be 2 to 3600 seconds (etcd grants no shorter lease)",
+                ));
+            }
+            if !(100..=60_000).contains(&e.request_timeout_ms)
+                || e.request_timeout_ms >= e.lease_ttl_s * 1000
+            {
+                return Err(invalid(
+                    "etcd.request_timeout_ms",
+                    "must be 100 to 60000 and shorter than etcd.lease_ttl_s",
+                ));
+            }
+            if e.cert_file.is_some() != e.key_file.is_some() {
+                return Err(invalid("etcd", "cert_file and key_file go together"));
+            }
+            if e.username.is_empty() != e.password_file.is_none() {
+                return Err(invalid("etcd", "username and password_file go together"));
+            }
+            if self.advertise.is_empty() && self.listen_is_unspecified() {
+                return Err(invalid(
+                    "advertise",
+                    "required with the etcd store when `listen` is a wildcard address: the \
+                     address other coordinators name to clients",
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The store `store` names.
+    pub fn store_spec(&self) -> Result<crate::store::StoreSpec, ConfigError> {
+        crate::store::StoreSpec::parse(&self.store, &self.state_file)
+    }
+
+    fn listen_is_unspecified(&self) -> bool {
+        self.listen
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| a.ip().is_unspecified())
+    }
+
+    /// The etcd key prefix: `etcd.prefix`, else `/pagewire/<cluster_name>/`.
+    pub fn etcd_prefix(&self) -> String {
+        if self.etcd.prefix.is_empty() {
+            format!("/pagewire/{}/", self.cluster_name)
+        } else {
+            self.etcd.prefix.clone()
+        }
     }
 
     /// The heartbeat interval handed to nodes.

@@ -3,6 +3,7 @@
 use pagewire_proto::v1::NodeState;
 
 use crate::persist::PersistError;
+use crate::store::StoreError;
 
 /// Why a coordinator operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +58,38 @@ pub enum CoordError {
     NoFile,
     #[error("cannot save the coordinator state: {0}")]
     Persist(#[from] PersistError),
+    #[error("{}", not_leading_message(.leader.as_deref(), .problem.as_deref()))]
+    NotLeading {
+        leader: Option<String>,
+        problem: Option<String>,
+    },
+    #[error("the state store did not take the change, which is not published: {0}")]
+    StoreUnavailable(String),
+}
+
+fn not_leading_message(leader: Option<&str>, problem: Option<&str>) -> String {
+    match (leader, problem) {
+        (Some(l), _) => format!("this coordinator does not lead; the leader is {l}"),
+        (None, Some(p)) => {
+            format!("this coordinator does not lead and no leader is known now: {p}")
+        }
+        (None, None) => "this coordinator does not lead and no leader is known now (an \
+                         election in progress, or the store without quorum)"
+            .to_owned(),
+    }
+}
+
+impl From<StoreError> for CoordError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::File(p) => Self::Persist(p),
+            StoreError::NotLeader { leader } => Self::NotLeading {
+                leader,
+                problem: None,
+            },
+            StoreError::Unavailable(why) => Self::StoreUnavailable(why),
+        }
+    }
 }
 
 /// Longest piece of a request echoed into an error message.
@@ -116,6 +149,13 @@ impl From<CoordError> for tonic::Status {
                 s
             }
             CoordError::NoFile => tonic::Status::failed_precondition(msg),
+            CoordError::NotLeading { ref leader, .. } => {
+                pagewire_proto::leader::not_leading(msg, leader.as_deref())
+            }
+            CoordError::StoreUnavailable(_) => {
+                tracing::warn!(error = %msg, "a change was not stored");
+                tonic::Status::unavailable(msg)
+            }
             CoordError::Persist(_) => {
                 tracing::error!(error = %msg, "persisting state failed");
                 tonic::Status::internal(msg)

@@ -14,11 +14,13 @@
 pub mod cli;
 pub mod config;
 pub mod error;
+mod ha;
 pub mod metrics;
 mod persist;
 mod rendezvous;
 pub mod service;
 mod state;
+pub mod store;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -53,6 +55,43 @@ pub enum StartError {
     Net(#[from] NetError),
     #[error("gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("state store: {0}")]
+    Store(String),
+}
+
+/// The etcd store's options from the config.
+#[cfg(feature = "etcd")]
+fn etcd_options(
+    cfg: &Config,
+    endpoints: Vec<String>,
+) -> Result<store::etcd::EtcdOptions, StartError> {
+    let e = &cfg.etcd;
+    let user = match &e.password_file {
+        Some(path) => {
+            let password = std::fs::read_to_string(path)
+                .map_err(|err| {
+                    StartError::Store(format!(
+                        "cannot read etcd.password_file {}: {err}",
+                        path.display()
+                    ))
+                })?
+                .trim()
+                .to_owned();
+            Some((e.username.clone(), password))
+        }
+        None => None,
+    };
+    Ok(store::etcd::EtcdOptions {
+        endpoints,
+        prefix: cfg.etcd_prefix(),
+        lease_ttl_s: e.lease_ttl_s,
+        request_timeout: Duration::from_millis(e.request_timeout_ms),
+        user,
+        ca_file: e.ca_file.clone(),
+        cert_file: e.cert_file.clone(),
+        key_file: e.key_file.clone(),
+        domain: e.domain.clone(),
+    })
 }
 
 /// The addresses a started coordinator listens on.
@@ -89,26 +128,93 @@ pub async fn run(
         heartbeat_interval: Duration::from_millis(cfg.heartbeat_interval_ms()),
         state_file: cfg.state_file.clone(),
     };
-    let cluster = state::Cluster::open(params, cfg.map.file_size, cfg.policy()?, metrics.clone())?;
-    let node_tls = cfg.tls.node_ca_file.clone().map(|ca_file| ClientTls {
-        ca_file,
-        domain: cfg.tls.node_domain.clone(),
-    });
-    let shared = Arc::new(service::Shared::new(
-        cluster,
-        metrics.clone(),
-        AttachToken::new(&token).map_err(ConfigError::from)?,
-        node_tls,
-        Duration::from_millis(cfg.node_rpc_timeout_ms),
-    ));
-
+    let spec = cfg.store_spec()?;
     let grpc = bind(&cfg.listen).await?;
     let grpc_addr = grpc.local_addr().map_err(|source| StartError::Bind {
         addr: cfg.listen.clone(),
         source,
     })?;
-    let mut metrics_addr = None;
+    let me = if cfg.advertise.is_empty() {
+        grpc_addr.to_string()
+    } else {
+        cfg.advertise.clone()
+    };
+    let (cluster, ha) = match &spec {
+        store::StoreSpec::File(path) => {
+            let params = state::Params {
+                state_file: path.clone(),
+                ..params
+            };
+            let c =
+                state::Cluster::open(params, cfg.map.file_size, cfg.policy()?, metrics.clone())?;
+            metrics.leading.set(1);
+            (c, ha::Leadership::standalone(me.clone(), spec.describe()))
+        }
+        #[cfg(feature = "etcd")]
+        store::StoreSpec::Etcd(_) => (
+            // Replaced by the store's state when this coordinator leads or
+            // follows; until then it answers nothing it cannot confirm.
+            state::Cluster::new(
+                params,
+                cfg.map.file_size,
+                cfg.policy()?,
+                metrics.clone(),
+                Arc::new(store::NoStore),
+            ),
+            ha::Leadership::candidate(me.clone(), spec.describe()),
+        ),
+        #[cfg(not(feature = "etcd"))]
+        store::StoreSpec::Etcd(_) => {
+            // `validate` refused it already.
+            return Err(ConfigError::Invalid {
+                key: "store",
+                reason: "built without the etcd store".into(),
+            }
+            .into());
+        }
+    };
+    let ha = Arc::new(ha);
+    let node_tls = cfg.tls.node_ca_file.clone().map(|ca_file| ClientTls {
+        ca_file,
+        domain: cfg.tls.node_domain.clone(),
+    });
+    #[allow(unused_mut)]
+    let mut shared = service::Shared::new(
+        cluster,
+        ha.clone(),
+        metrics.clone(),
+        AttachToken::new(&token).map_err(ConfigError::from)?,
+        node_tls,
+        Duration::from_millis(cfg.node_rpc_timeout_ms),
+    );
     let mut background = tokio::task::JoinSet::new();
+    #[cfg(feature = "etcd")]
+    let mut etcd_events = None;
+    #[cfg(feature = "etcd")]
+    if let store::StoreSpec::Etcd(endpoints) = &spec {
+        let opts = etcd_options(&cfg, endpoints.clone())?;
+        let (etcd, rx) = store::etcd::EtcdStore::connect(opts, ha.clone(), metrics.clone())
+            .await
+            .map_err(StartError::Store)?;
+        shared.cluster().set_store(etcd.clone());
+        shared.etcd = Some(etcd);
+        etcd_events = Some(rx);
+    }
+    let shared = Arc::new(shared);
+    #[cfg(feature = "etcd")]
+    let (fatal_tx, fatal_rx) = tokio::sync::oneshot::channel::<StartError>();
+    #[cfg(feature = "etcd")]
+    if let (Some(etcd), Some(rx)) = (shared.etcd.clone(), etcd_events) {
+        let s = shared.clone();
+        background.spawn(async move {
+            if let Err(e) = store::etcd::apply_events(s, rx).await {
+                tracing::error!(error = %e, "cannot go on with the state in etcd");
+                let _ = fatal_tx.send(e);
+            }
+        });
+        etcd.start();
+    }
+    let mut metrics_addr = None;
     if !cfg.metrics_listen.is_empty() {
         let l = bind(&cfg.metrics_listen).await?;
         metrics_addr = l.local_addr().ok();
@@ -144,17 +250,47 @@ pub async fn run(
         grpc = %grpc_addr,
         metrics = %metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string()),
         tls = cfg.tls.cert_file.is_some(),
+        store = %spec.describe(),
+        advertise = %me,
         "coordinator listening"
     );
     on_bound(Bound {
         grpc: grpc_addr,
         metrics: metrics_addr,
     });
+    #[cfg(feature = "etcd")]
+    let shutdown = async move {
+        tokio::select! {
+            () = shutdown => None,
+            Ok(e) = fatal_rx => Some(e),
+        }
+    };
+    #[cfg(not(feature = "etcd"))]
+    let shutdown = async move {
+        shutdown.await;
+        None::<StartError>
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let fatal = tokio::spawn(async move {
+        let r = shutdown.await;
+        let _ = stop_tx.send(());
+        r
+    });
     let result = server
         .add_service(svc)
-        .serve_with_incoming_shutdown(pagewire_proto::net::incoming(grpc), shutdown)
+        .serve_with_incoming_shutdown(pagewire_proto::net::incoming(grpc), async move {
+            let _ = stop_rx.await;
+        })
         .await;
+    // Hand the leadership over at once rather than after the lease TTL.
+    #[cfg(feature = "etcd")]
+    if let Some(etcd) = &shared.etcd {
+        etcd.resign().await;
+    }
     background.abort_all();
     result?;
+    if let Ok(Some(e)) = fatal.await {
+        return Err(e);
+    }
     Ok(())
 }

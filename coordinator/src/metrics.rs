@@ -7,6 +7,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::error::state_name;
@@ -25,6 +26,11 @@ pub struct Metrics {
     pub(crate) deaths: Counter,
     pub(crate) map_changes: Counter,
     pub(crate) rpc_errors: Family<Labels, Counter>,
+    pub(crate) elections: Counter,
+    pub(crate) leader_changes: Counter,
+    pub(crate) leading: Gauge,
+    pub(crate) store_save_seconds: Histogram,
+    pub(crate) store_errors: Counter,
     /// Label sets set last time, to zero the ones that went away.
     last_owned: Mutex<Vec<Labels>>,
 }
@@ -49,6 +55,13 @@ impl Metrics {
             deaths: Counter::default(),
             map_changes: Counter::default(),
             rpc_errors: Family::default(),
+            elections: Counter::default(),
+            leader_changes: Counter::default(),
+            leading: Gauge::default(),
+            store_save_seconds: Histogram::new([
+                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+            ]),
+            store_errors: Counter::default(),
             last_owned: Mutex::new(Vec::new()),
             registry: Registry::default(),
         };
@@ -89,6 +102,31 @@ impl Metrics {
             "rpc_errors",
             "gRPC calls that failed, by method and code",
             m.rpc_errors.clone(),
+        );
+        registry.register(
+            "elections",
+            "Elections this coordinator won (etcd store)",
+            m.elections.clone(),
+        );
+        registry.register(
+            "leader_changes",
+            "Changes of the leading coordinator seen by this one",
+            m.leader_changes.clone(),
+        );
+        registry.register(
+            "leading",
+            "1 while this coordinator leads, else 0",
+            m.leading.clone(),
+        );
+        registry.register(
+            "store_save_seconds",
+            "Time to save the cluster state in the store",
+            m.store_save_seconds.clone(),
+        );
+        registry.register(
+            "store_errors",
+            "Saves the store refused (fenced off) or did not answer",
+            m.store_errors.clone(),
         );
         Self { registry, ..m }
     }

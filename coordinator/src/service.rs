@@ -10,17 +10,19 @@ use pagewire_proto::net::{self, ClientTls};
 use pagewire_proto::v1::coordinator_server::Coordinator;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{
-    ByteRange, ClusterRangeRequest, ClusterRangeResponse, DrainRequest, DrainResponse,
-    GetMapRequest, HeartbeatRequest, HeartbeatResponse, LeaveRequest, LeaveResponse,
-    ListNodesRequest, ListNodesResponse, NodeRangeRequest, NodeRangeResult, OwnershipMap, PageRun,
-    RegisterRequest, RegisterResponse, SetPolicyRequest, SetPolicyResponse, StatusRequest,
-    StatusResponse, WatchMapRequest,
+    ByteRange, ClusterRangeRequest, ClusterRangeResponse, CoordinatorPeer, CoordinatorRole,
+    DrainRequest, DrainResponse, GetMapRequest, HeartbeatRequest, HeartbeatResponse, LeaveRequest,
+    LeaveResponse, ListNodesRequest, ListNodesResponse, NodeRangeRequest, NodeRangeResult,
+    OwnershipMap, PageRun, RegisterRequest, RegisterResponse, SetPolicyRequest, SetPolicyResponse,
+    StatusRequest, StatusResponse, WatchMapRequest,
 };
 use tokio_stream::{Stream, StreamExt, wrappers::WatchStream};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
+use crate::error::CoordError;
+use crate::ha::Leadership;
 use crate::metrics::Metrics;
 use crate::state::Cluster;
 
@@ -28,6 +30,9 @@ type Client = NodeClient<InterceptedService<Channel, AttachToken>>;
 
 pub(crate) struct Shared {
     pub(crate) cluster: Mutex<Cluster>,
+    pub(crate) ha: Arc<Leadership>,
+    #[cfg(feature = "etcd")]
+    pub(crate) etcd: Option<Arc<crate::store::etcd::EtcdStore>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) token: AttachToken,
     pub(crate) node_tls: Option<ClientTls>,
@@ -38,6 +43,7 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(
         cluster: Cluster,
+        ha: Arc<Leadership>,
         metrics: Arc<Metrics>,
         token: AttachToken,
         node_tls: Option<ClientTls>,
@@ -45,6 +51,9 @@ impl Shared {
     ) -> Self {
         Self {
             cluster: Mutex::new(cluster),
+            ha,
+            #[cfg(feature = "etcd")]
+            etcd: None,
             metrics,
             token,
             node_tls,
@@ -57,6 +66,64 @@ impl Shared {
     /// the state consistent before anything can panic).
     pub(crate) fn cluster(&self) -> MutexGuard<'_, Cluster> {
         self.cluster.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The cluster, for a write: refused unless this coordinator leads.
+    fn leading(&self) -> Result<MutexGuard<'_, Cluster>, Status> {
+        self.ha.check_write().map_err(Status::from)?;
+        Ok(self.cluster())
+    }
+
+    /// Waits until this coordinator's copy of the state is the store's
+    /// current one: at once on the leader (it wrote it), after a quorum read
+    /// of etcd on a follower. A read answered after this reflects the state
+    /// at some instant after the call arrived.
+    async fn confirm_read(&self) -> Result<(), String> {
+        if self.ha.is_leading() {
+            return Ok(());
+        }
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = &self.etcd {
+            return etcd.confirm().await;
+        }
+        Err("this coordinator does not lead".into())
+    }
+
+    /// A read that must be current: refused while it cannot be confirmed.
+    async fn confirmed(&self) -> Result<MutexGuard<'_, Cluster>, Status> {
+        match self.confirm_read().await {
+            Ok(()) => Ok(self.cluster()),
+            Err(why) => Err(Status::from(CoordError::NotLeading {
+                leader: self.ha.leader(),
+                problem: Some(format!("cannot confirm the state with the store: {why}")),
+            })),
+        }
+    }
+
+    /// Every coordinator sharing the store, with its role as this one sees it.
+    async fn peers(&self, view: &crate::ha::View) -> Vec<CoordinatorPeer> {
+        #[allow(unused_mut)]
+        let mut addresses = vec![self.ha.me().to_owned()];
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = &self.etcd {
+            addresses = etcd.peers().await.unwrap_or(addresses);
+        }
+        addresses.sort();
+        addresses.dedup();
+        addresses
+            .into_iter()
+            .map(|address| CoordinatorPeer {
+                role: if view.leader.as_deref() == Some(address.as_str()) {
+                    CoordinatorRole::Leader
+                } else if address == self.ha.me() {
+                    view.role
+                } else {
+                    CoordinatorRole::Follower
+                }
+                .into(),
+                address,
+            })
+            .collect()
     }
 
     fn client(&self, index: u32, address: &str) -> Result<Client, String> {
@@ -80,6 +147,11 @@ impl Shared {
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             interval.tick().await;
+            // Only the leader declares nodes dead: a follower hears no
+            // heartbeat.
+            if !self.ha.is_leading() {
+                continue;
+            }
             if let Err(e) = self.cluster().expire_leases(Instant::now()) {
                 tracing::error!(error = %e, "could not publish the map after a lease expired; retrying");
             }
@@ -162,7 +234,7 @@ impl CoordinatorService {
         op: RangeOp,
         range: Option<ByteRange>,
     ) -> Result<ClusterRangeResponse, Status> {
-        let map = self.shared.cluster().map();
+        let map = self.shared.leading()?.map();
         let plan = runs_by_owner(&map, range)?;
         let mut results = Vec::new();
         let mut calls = tokio::task::JoinSet::new();
@@ -253,9 +325,8 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<RegisterResponse>, Status> {
         let r = self
             .shared
-            .cluster()
-            .register(req.into_inner())
-            .map_err(Status::from);
+            .leading()
+            .and_then(|mut c| c.register(req.into_inner()).map_err(Status::from));
         self.track("Register", r)
     }
 
@@ -265,20 +336,18 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let r = self
             .shared
-            .cluster()
-            .heartbeat(req.into_inner())
-            .map_err(Status::from);
+            .leading()
+            .and_then(|mut c| c.heartbeat(req.into_inner()).map_err(Status::from));
         self.track("Heartbeat", r)
     }
 
     async fn leave(&self, req: Request<LeaveRequest>) -> Result<Response<LeaveResponse>, Status> {
         let req = req.into_inner();
-        let r = self
-            .shared
-            .cluster()
-            .leave(&req.node_id, req.incarnation)
-            .map(|map_epoch| LeaveResponse { map_epoch })
-            .map_err(Status::from);
+        let r = self.shared.leading().and_then(|mut c| {
+            c.leave(&req.node_id, req.incarnation)
+                .map(|map_epoch| LeaveResponse { map_epoch })
+                .map_err(Status::from)
+        });
         self.track("Leave", r)
     }
 
@@ -300,48 +369,67 @@ impl Coordinator for CoordinatorService {
         &self,
         _req: Request<GetMapRequest>,
     ) -> Result<Response<OwnershipMap>, Status> {
-        Ok(Response::new((*self.shared.cluster().map()).clone()))
+        let r = self.shared.confirmed().await.map(|c| (*c.map()).clone());
+        self.track("GetMap", r)
     }
 
     async fn list_nodes(
         &self,
         _req: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
-        Ok(Response::new(ListNodesResponse {
-            nodes: self.shared.cluster().nodes(),
-        }))
+        let r = self
+            .shared
+            .confirmed()
+            .await
+            .map(|c| ListNodesResponse { nodes: c.nodes() });
+        self.track("ListNodes", r)
     }
 
     async fn status(
         &self,
         _req: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
-        Ok(Response::new(self.shared.cluster().status()))
+        // Always answers: with `store_problem` set when this coordinator
+        // could not confirm its state, which clients must not take as a
+        // confirmation of their map.
+        let confirmed = self.shared.confirm_read().await;
+        let mut s = self.shared.cluster().status();
+        let view = self.shared.ha.view();
+        s.store = self.shared.ha.store().to_owned();
+        s.role = view.role.into();
+        s.leader = view.leader.clone().unwrap_or_default();
+        s.coordinators = self.shared.peers(&view).await;
+        s.store_problem = match (confirmed, view.problem) {
+            (Ok(()), _) if view.role == CoordinatorRole::Leader => String::new(),
+            (Ok(()), p) => p.unwrap_or_default(),
+            (Err(why), p) => {
+                p.unwrap_or_else(|| format!("cannot confirm the state with the store: {why}"))
+            }
+        };
+        Ok(Response::new(s))
     }
 
     async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        let r = self
-            .shared
-            .cluster()
-            .drain(&req.into_inner().node_id)
-            .map(|(map_epoch, extents_moved)| DrainResponse {
-                map_epoch,
-                extents_moved,
-            })
-            .map_err(Status::from);
+        let r = self.shared.leading().and_then(|mut c| {
+            c.drain(&req.into_inner().node_id)
+                .map(|(map_epoch, extents_moved)| DrainResponse {
+                    map_epoch,
+                    extents_moved,
+                })
+                .map_err(Status::from)
+        });
         self.track("Drain", r)
     }
 
     async fn undrain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        let r = self
-            .shared
-            .cluster()
-            .undrain(&req.into_inner().node_id)
-            .map(|map_epoch| DrainResponse {
-                map_epoch,
-                extents_moved: 0,
-            })
-            .map_err(Status::from);
+        let r = self.shared.leading().and_then(|mut c| {
+            c.undrain(&req.into_inner().node_id)
+                .map(|map_epoch| DrainResponse {
+                    map_epoch,
+                    extents_moved: 0,
+                })
+                .map_err(Status::from)
+        });
         self.track("Undrain", r)
     }
 
@@ -367,14 +455,13 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<SetPolicyResponse>, Status> {
         let r = match req.into_inner().policy {
             None => Err(Status::invalid_argument("policy is required")),
-            Some(p) => self
-                .shared
-                .cluster()
-                .set_policy(p)
-                .map(|policy| SetPolicyResponse {
-                    policy: Some(policy),
-                })
-                .map_err(Status::from),
+            Some(p) => self.shared.leading().and_then(|mut c| {
+                c.set_policy(p)
+                    .map(|policy| SetPolicyResponse {
+                        policy: Some(policy),
+                    })
+                    .map_err(Status::from)
+            }),
         };
         self.track("SetPolicy", r)
     }

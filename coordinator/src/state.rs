@@ -2,8 +2,11 @@
 //!
 //! All of it lives behind one mutex in [`crate::service`]; every method here
 //! is short and synchronous. Every map change bumps the epoch, is written to
-//! the state file, and only then published to watchers, so a published epoch
-//! always survives a restart.
+//! the store (the state file, or etcd: [`crate::store`]), and only then
+//! published to watchers, so a published epoch always survives a restart or
+//! a change of leader. A coordinator that follows another (etcd) holds the
+//! same `Cluster`, replaced with each state the store shows
+//! ([`Cluster::load_state`]); it changes nothing itself.
 //!
 //! ## Moving extents without a gap
 //!
@@ -38,8 +41,9 @@ use tokio::sync::watch;
 
 use crate::error::{CoordError, quoted, state_name};
 use crate::metrics::Metrics;
-use crate::persist::{self, PersistedState};
+use crate::persist::PersistedState;
 use crate::rendezvous::{self, Candidate};
+use crate::store::{FileStore, Store};
 
 /// Fixed parameters of a cluster.
 #[derive(Debug, Clone)]
@@ -74,9 +78,13 @@ pub(crate) struct Cluster {
     released: Vec<u32>,
     released_epoch: Vec<u64>,
     policy: Policy,
+    /// What the config says, for a state without them.
+    config_file_size: u64,
+    config_policy: Policy,
     map_tx: watch::Sender<Arc<OwnershipMap>>,
     metrics: Arc<Metrics>,
     started: Instant,
+    store: Arc<dyn Store>,
 }
 
 /// Only these states hold a lease (and may serve extents).
@@ -140,17 +148,18 @@ fn validate_address(field: &str, addr: &str, required: bool) -> Result<(), Coord
 }
 
 impl Cluster {
-    /// Loads the state file (or starts empty) and checks it against `params`.
-    pub(crate) fn open(
+    /// An empty cluster (no member, epoch 0) that saves to `store`.
+    pub(crate) fn new(
         params: Params,
         config_file_size: u64,
         config_policy: Policy,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, crate::StartError> {
-        let loaded = persist::load(&params.state_file)?;
+        store: Arc<dyn Store>,
+    ) -> Self {
         let (map_tx, _) = watch::channel(Arc::new(OwnershipMap::default()));
         let mut c = Cluster {
             file_size: config_file_size,
+            config_file_size,
             members: BTreeMap::new(),
             next_index: 1,
             next_incarnation: 1,
@@ -160,76 +169,132 @@ impl Cluster {
             released: Vec::new(),
             released_epoch: Vec::new(),
             policy: config_policy,
+            config_policy,
             map_tx,
             metrics,
             started: Instant::now(),
             params,
+            store,
         };
+        c.publish_current();
+        c
+    }
+
+    /// Loads the state file (or starts empty) and checks it against `params`.
+    pub(crate) fn open(
+        params: Params,
+        config_file_size: u64,
+        config_policy: Policy,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, crate::StartError> {
+        let file = FileStore {
+            path: params.state_file.clone(),
+        };
+        let loaded = file.load()?;
+        let what = format!("state file {}", params.state_file.display());
+        let mut c = Self::new(
+            params,
+            config_file_size,
+            config_policy,
+            metrics,
+            Arc::new(file),
+        );
         if let Some(st) = loaded {
-            let map = st.map.unwrap_or_default();
-            if map.extent_size != c.params.extent_size || map.page_size != c.params.page_size {
-                return Err(crate::StartError::StateMismatch(format!(
-                    "state file {} was written with extent_size {} and page_size {}, the config \
-                     says {} and {}; keep the old values or start with a new state file",
-                    c.params.state_file.display(),
-                    map.extent_size,
-                    map.page_size,
-                    c.params.extent_size,
-                    c.params.page_size
-                )));
-            }
-            if config_file_size != 0 && map.file_size != 0 && map.file_size != config_file_size {
-                return Err(crate::StartError::StateMismatch(format!(
-                    "state file {} is for a {} byte file, the config says {}",
-                    c.params.state_file.display(),
-                    map.file_size,
-                    config_file_size
-                )));
-            }
-            c.file_size = map.file_size.max(config_file_size);
-            c.epoch = map.epoch;
-            c.owner = map.owner;
-            c.previous = map.previous_owner;
-            // The release epochs are not saved: count them from now, which
-            // only keeps an entry longer.
-            c.released_epoch = vec![map.epoch; map.released_by.len()];
-            c.released = map.released_by;
-            if let Some(p) = st.policy {
-                // A policy saved by an older coordinator may name what the
-                // nodes do not implement: the config's replaces it, with a
-                // higher version so nodes that applied the old one switch.
-                match crate::config::check_implemented(&p) {
-                    Ok(()) => c.policy = p,
-                    Err(why) => {
-                        tracing::warn!(saved_version = p.version, %why, "saved policy refused; using the config's");
-                        c.policy.version = p.version + 1;
-                    }
+            c.load_state(st, &what)?;
+        }
+        Ok(c)
+    }
+
+    /// Replaces everything with `st` (read from the store; `what` names it
+    /// in errors) and publishes its map. Every member that held a lease gets
+    /// a fresh one: it had no chance to heartbeat to this coordinator (a
+    /// restart, or a follower taking over the leadership).
+    pub(crate) fn load_state(
+        &mut self,
+        st: PersistedState,
+        what: &str,
+    ) -> Result<(), crate::StartError> {
+        let map = st.map.unwrap_or_default();
+        if map.extent_size != self.params.extent_size || map.page_size != self.params.page_size {
+            return Err(crate::StartError::StateMismatch(format!(
+                "{what} was written with extent_size {} and page_size {}, the config \
+                 says {} and {}; keep the old values or start with a new state",
+                map.extent_size, map.page_size, self.params.extent_size, self.params.page_size
+            )));
+        }
+        let config_file_size = self.config_file_size;
+        if config_file_size != 0 && map.file_size != 0 && map.file_size != config_file_size {
+            return Err(crate::StartError::StateMismatch(format!(
+                "{what} is for a {} byte file, the config says {}",
+                map.file_size, config_file_size
+            )));
+        }
+        self.file_size = map.file_size.max(config_file_size);
+        self.epoch = map.epoch;
+        self.owner = map.owner;
+        self.previous = map.previous_owner;
+        // The release epochs are not saved: count them from now, which
+        // only keeps an entry longer.
+        self.released_epoch = vec![map.epoch; map.released_by.len()];
+        self.released = map.released_by;
+        self.policy = self.config_policy;
+        if let Some(p) = st.policy {
+            // A policy saved by an older coordinator may name what the
+            // nodes do not implement: the config's replaces it, with a
+            // higher version so nodes that applied the old one switch.
+            match crate::config::check_implemented(&p) {
+                Ok(()) => self.policy = p,
+                Err(why) => {
+                    tracing::warn!(saved_version = p.version, %why, "saved policy refused; using the config's");
+                    self.policy.version = p.version + 1;
                 }
             }
-            c.next_index = st.next_index.max(1);
-            c.next_incarnation = st.next_incarnation.max(1);
-            let now = Instant::now();
-            for info in st.members {
-                // Every member that held a lease gets a fresh one: it had no
-                // chance to heartbeat while the coordinator was down.
-                let lease_deadline = holds_lease(info.state()).then(|| now + c.params.lease);
-                c.members.insert(
-                    info.node_id.clone(),
-                    Member {
-                        info,
-                        lease_deadline,
-                    },
-                );
-            }
-            tracing::info!(
-                epoch = c.epoch,
-                members = c.members.len(),
-                path = %c.params.state_file.display(),
-                "state restored"
+        }
+        self.next_index = st.next_index.max(1);
+        self.next_incarnation = st.next_incarnation.max(1);
+        let now = Instant::now();
+        self.members.clear();
+        for info in st.members {
+            let lease_deadline = holds_lease(info.state()).then(|| now + self.params.lease);
+            self.members.insert(
+                info.node_id.clone(),
+                Member {
+                    info,
+                    lease_deadline,
+                },
             );
         }
-        c.publish_current();
-        Ok(c)
+        tracing::info!(
+            epoch = self.epoch,
+            members = self.members.len(),
+            from = %what,
+            "state restored"
+        );
+        self.publish_current();
+        Ok(())
+    }
+
+    /// Gives every member holding a lease a fresh one (a follower that
+    /// starts leading: it saw none of their heartbeats).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn renew_all_leases(&mut self) {
+        let deadline = Instant::now() + self.params.lease;
+        for m in self.members.values_mut() {
+            if holds_lease(m.info.state()) {
+                m.lease_deadline = Some(deadline);
+            }
+        }
+    }
+
+    /// Saves to `store` from now on.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn set_store(&mut self, store: Arc<dyn Store>) {
+        self.store = store;
+    }
+
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<OwnershipMap>> {
@@ -299,9 +364,23 @@ impl Cluster {
         }
     }
 
+    /// Saves without a new epoch (a registration, a policy, a drain that
+    /// moved nothing).
     fn save(&self) -> Result<(), CoordError> {
-        persist::save(&self.params.state_file, &self.persisted())?;
-        Ok(())
+        self.store_save(None)
+    }
+
+    /// Saves to the store, timing it.
+    fn store_save(&self, new_epoch: Option<(u64, &str)>) -> Result<(), CoordError> {
+        let started = Instant::now();
+        let r = self.store.save(&self.persisted(), new_epoch);
+        self.metrics
+            .store_save_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if r.is_err() {
+            self.metrics.store_errors.inc();
+        }
+        Ok(r?)
     }
 
     fn publish_current(&mut self) {
@@ -392,7 +471,7 @@ impl Cluster {
         );
         self.epoch += 1;
         self.settle_drains();
-        if let Err(e) = self.save() {
+        if let Err(e) = self.store_save(Some((self.epoch, reason))) {
             // Roll back: an epoch that is not on disk must not be published.
             self.epoch -= 1;
             (
