@@ -101,7 +101,7 @@
 //! while it fails, so it learns the new map within a few milliseconds of
 //! its publication. Reads stall about one lease; writes to the dead node's
 //! extents one more lease plus the margin (the new owner's fence). With
-//! the coordinator down, the window runs out after at most `lease −
+//! every coordinator down, the window runs out after at most `lease −
 //! margin`, and every operation then returns `Unavailable` after its
 //! deadline until a poll succeeds again.
 //!
@@ -234,6 +234,9 @@ pub enum ClientError {
     /// The coordinator could not be reached or answered an error at start.
     #[error("the coordinator at {address}: {reason}")]
     Coordinator { address: String, reason: String },
+    /// The coordinator address list is empty, too long or not host:port.
+    #[error("bad coordinator addresses: {0}")]
+    Addresses(#[source] pagewire_proto::leader::AddressListError),
     /// The token cannot be sent (empty, or not printable ASCII).
     #[error("bad cluster token: {0}")]
     Token(#[source] TokenError),

@@ -4,7 +4,8 @@
 //! `pagewire.v1`, in `proto/pagewire/v1/*.proto`, usable from any language),
 //! the Rust code tonic/prost generate from them, and the plumbing every
 //! pagewire endpoint shares: the cluster token carried on every call
-//! ([`auth`]), TLS-aware channels ([`net`]), finding the leading coordinator ([`leader`]) and the plain-HTTP Prometheus
+//! ([`auth`]), TLS-aware channels ([`net`]), finding the leading coordinator and failing
+//! over between several ([`leader`]) and the plain-HTTP Prometheus
 //! endpoint ([`metrics_http`]).
 //!
 //! This crate depends on nothing of ours: the node, the coordinator, `pwctl`

@@ -9,7 +9,8 @@
 //! map's, the map was current at some instant after `t_send`: the map is
 //! trusted until [`trust_window`]`(t_send, lease, margin)` = `t_send + lease
 //! − clock_drift_margin`. Otherwise (or after a lost connection, or when
-//! the coordinator's uptime went back, i.e. it restarted) the poll fetches
+//! the uptime of the coordinator that answered went back, i.e. it
+//! restarted, or another coordinator answered) the poll fetches
 //! `GetMap`, sent at `t_send'`, and trusts the new map until `t_send' +
 //! lease − margin`. Polls run one after another on the follower thread, so
 //! `t_send` only grows; a failed poll changes nothing and the window runs
@@ -28,6 +29,24 @@
 //! in learning a new epoch that readers find out about on their own (a
 //! stale-map refusal, an owner that stopped answering).
 //!
+//! # Several coordinators
+//!
+//! The follower takes a list of coordinator addresses and polls one of them
+//! ([`pagewire_proto::leader::Coordinators`], the rule the node daemon
+//! follows too): a transport error, a timeout or `UNAVAILABLE` moves the
+//! poll at once to the leader the refusal names, else to the next address,
+//! until one answers or each has failed once in that poll (then the poll
+//! failed, and the next comes [`RETRY_POLL`] later). A confirmation from
+//! any coordinator is as good as one from the leader: a follower answers
+//! `Status` and `GetMap` only after confirming with etcd that its copy is
+//! current, so the epoch it names was current at some instant after
+//! `t_send`, which is all the window needs. Uptimes compare only on one
+//! address: a `Status` whose `uptime_ms` went back *on the same address*
+//! still means that coordinator restarted (fetch the map), while the first
+//! answer from another address than the last one always fetches `GetMap`,
+//! since a different coordinator's uptime says nothing about this one's
+//! map. One address behaves as a single coordinator always did.
+//!
 //! # Sharing with the clients
 //!
 //! `(map, trust_until)` change together under `state`'s lock, which then
@@ -41,7 +60,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pagewire_proto::auth::AttachToken;
-use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::leader::{AfterFailure, Coordinators, Pick, parse_address_list};
 use pagewire_proto::v1::{GetMapRequest, OwnershipMap, StatusRequest};
 
 use super::ClientError;
@@ -143,82 +162,100 @@ struct Confirmed {
     lease: Duration,
 }
 
-/// The follower thread's connection to the coordinator.
+/// The follower thread's connections to the coordinators.
 struct Coordinator {
-    address: String,
-    attach: AttachToken,
+    coords: Coordinators,
     cfg: FollowerConfig,
-    client: Option<
-        CoordinatorClient<
-            tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
-        >,
-    >,
-    /// The coordinator's uptime at the last poll (a smaller one: it restarted).
-    uptime_ms: u64,
+    /// The next poll fetches the map whatever the epoch: set at start and
+    /// by every failed call, cleared by a successful `GetMap`.
+    fresh: bool,
+    /// Who answered the last `Status`, and its uptime (a smaller one from
+    /// the same address: it restarted).
+    last: Option<(String, u64)>,
 }
+
+/// A failed call: which, and the status (a timeout is `DEADLINE_EXCEEDED`).
+type CallError = (&'static str, tonic::Status);
 
 impl Coordinator {
     async fn timed<T>(
         &self,
-        what: &str,
+        what: &'static str,
         f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    ) -> Result<T, String> {
+    ) -> Result<T, CallError> {
         match tokio::time::timeout(self.cfg.rpc_timeout, f).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(format!("{what}: {}", s.message())),
-            Err(_) => Err(format!(
-                "{what}: no answer within {:?}",
-                self.cfg.rpc_timeout
+            Ok(Err(s)) => Err((what, s)),
+            Err(_) => Err((
+                what,
+                tonic::Status::deadline_exceeded(format!(
+                    "no answer within {:?}",
+                    self.cfg.rpc_timeout
+                )),
             )),
         }
     }
 
-    /// One poll: `Status`, and `GetMap` when the epoch moved, the
-    /// connection is new or the coordinator restarted.
+    /// One poll: on the current coordinator, failing over (module header,
+    /// "Several coordinators") until one answers or each has failed once.
     async fn poll(&mut self, epoch: Option<u64>) -> Result<Confirmed, String> {
-        let fresh = self.client.is_none();
-        if fresh {
-            let ch = pagewire_proto::net::connect(&self.address, None, self.cfg.connect_timeout)
-                .await
-                .map_err(|e| chain(&e))?;
-            self.client = Some(CoordinatorClient::with_interceptor(ch, self.attach.clone()));
-        }
-        let mut c = self.client.clone().expect("connected above");
-        let r = async {
-            let sent = Instant::now();
-            let st = self.timed("Status", c.status(StatusRequest {})).await?;
-            let restarted = st.uptime_ms < self.uptime_ms;
-            self.uptime_ms = st.uptime_ms;
-            let lease = Duration::from_millis(st.lease_ms);
-            if !fresh && !restarted && epoch == Some(st.epoch) {
-                return Ok(Confirmed {
-                    map: None,
-                    sent,
-                    lease,
-                });
+        let mut errors: Vec<String> = Vec::new();
+        loop {
+            let pick = self.coords.pick();
+            match self.poll_one(&pick, epoch).await {
+                Ok(c) => {
+                    self.coords.succeeded(&pick);
+                    return Ok(c);
+                }
+                Err((what, status)) => {
+                    self.fresh = true;
+                    errors.push(format!("{}: {what}: {}", pick.address(), status.message()));
+                    if self.coords.failed(&pick, &status) != AfterFailure::RetryNow {
+                        return Err(errors.join("; "));
+                    }
+                }
             }
-            let sent = Instant::now();
-            let map = self.timed("GetMap", c.get_map(GetMapRequest {})).await?;
-            Ok(Confirmed {
-                map: Some(map),
+        }
+    }
+
+    /// `Status`, and `GetMap` when the epoch moved, after a failure, on
+    /// another coordinator than the last answer's, or when that one
+    /// restarted.
+    async fn poll_one(&mut self, pick: &Pick, epoch: Option<u64>) -> Result<Confirmed, CallError> {
+        let mut c = pick.client();
+        let sent = Instant::now();
+        let st = self.timed("Status", c.status(StatusRequest {})).await?;
+        let (switched, restarted) = match &self.last {
+            Some((address, uptime)) if address == pick.address() => (false, st.uptime_ms < *uptime),
+            _ => (true, false),
+        };
+        self.last = Some((pick.address().to_owned(), st.uptime_ms));
+        let lease = Duration::from_millis(st.lease_ms);
+        if !self.fresh && !switched && !restarted && epoch == Some(st.epoch) {
+            return Ok(Confirmed {
+                map: None,
                 sent,
                 lease,
-            })
+            });
         }
-        .await;
-        if r.is_err() {
-            // Reconnect next time (a restarted coordinator, a dead channel).
-            self.client = None;
-        }
-        r
+        let sent = Instant::now();
+        let map = self.timed("GetMap", c.get_map(GetMapRequest {})).await?;
+        self.fresh = false;
+        Ok(Confirmed {
+            map: Some(map),
+            sent,
+            lease,
+        })
     }
 }
 
 impl MapFollower {
-    /// Connects to the coordinator at `coordinator` (host:port) with the
-    /// cluster token (sent as `pagewire_proto::auth::AttachToken`, like the
-    /// node daemon), reads `Status` (lease) and `GetMap`, and starts the
-    /// follower thread.
+    /// Connects to the coordinators at `coordinator` (host:port, or a
+    /// comma-separated list of them: see "Several coordinators" in the
+    /// module header) with the cluster token (sent as
+    /// `pagewire_proto::auth::AttachToken`, like the node daemon), reads
+    /// `Status` (lease) and `GetMap` from the first that answers, and
+    /// starts the follower thread.
     pub fn start(coordinator: &str, token: &str) -> Result<Arc<Self>, ClientError> {
         Self::start_with(coordinator, token, FollowerConfig::default())
     }
@@ -229,17 +266,27 @@ impl MapFollower {
         token: &str,
         cfg: FollowerConfig,
     ) -> Result<Arc<Self>, ClientError> {
+        let addresses = parse_address_list(coordinator).map_err(ClientError::Addresses)?;
         let attach = AttachToken::new(token).map_err(ClientError::Token)?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(ClientError::Runtime)?;
+        // Lazy channels spawn their workers on the runtime they are made in.
+        let coords = {
+            let _in = rt.enter();
+            Coordinators::new(&addresses, attach, None, cfg.connect_timeout).map_err(|e| {
+                ClientError::Coordinator {
+                    address: coordinator.to_owned(),
+                    reason: chain(&e),
+                }
+            })?
+        };
         let mut coord = Coordinator {
-            address: coordinator.to_owned(),
-            attach,
+            coords,
             cfg: cfg.clone(),
-            client: None,
-            uptime_ms: 0,
+            fresh: true,
+            last: None,
         };
         let first = rt
             .block_on(coord.poll(None))

@@ -24,30 +24,40 @@
 //!   refusal stops the daemon with the coordinator's message.
 //! * Leaving is final: once [`Agent::leave`] starts, this process never
 //!   registers or heartbeats again.
+//! * Failover between coordinators (`coordinator = "a:7400,b:7400"`): one
+//!   lazy channel per address, one current ([`Coordinators`]). Register,
+//!   Heartbeat, Leave and the map stream all go to the current one. A
+//!   transport error, a timeout or `UNAVAILABLE` moves it: to the leader
+//!   the refusal names in `pagewire-leader` (added to the list when it is
+//!   not in it), else to the next address; each switch is logged at info
+//!   (`switching coordinator from=.. to=..`). The call is retried at once
+//!   until every address has failed once since the last success, then after
+//!   the backoff that a single coordinator gets (registration and the map
+//!   stream: 100 ms doubling to 2 s; heartbeats: the next interval). The
+//!   map stream may stay on a follower: followers confirm with etcd that
+//!   their copy is current before they answer, so their maps are as good
+//!   as the leader's. With one address nothing switches, and every failure
+//!   waits out that backoff, as with a single coordinator.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pagewire_proto::auth::AttachToken;
-use pagewire_proto::net::{self, ClientTls};
-use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::leader::{AfterFailure, Coordinators, CoordinatorsError};
+use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::{
     HeartbeatRequest, LeaveRequest, NumaNode, OwnershipMap, RegisterRequest, Topology,
     TransportDescriptor, WatchMapRequest,
 };
 use tonic::Code;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
 
 use super::{Config, DaemonError, Node};
-
-type Client = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
 
 #[derive(Clone)]
 pub(crate) struct Agent {
     node: Arc<Node>,
-    client: Client,
+    coords: Arc<Coordinators>,
     register: RegisterRequest,
     /// Heartbeat interval the coordinator asked for.
     interval: Arc<std::sync::Mutex<Duration>>,
@@ -109,9 +119,14 @@ impl Agent {
         token: AttachToken,
         tls: Option<ClientTls>,
     ) -> Result<Self, DaemonError> {
-        let channel = net::connect_lazy(&cfg.coordinator, tls.as_ref(), Duration::from_secs(3))?;
-        let client = CoordinatorClient::with_interceptor(channel, token)
-            .max_decoding_message_size(256 << 20);
+        let coords = Coordinators::new(&cfg.coordinators()?, token, tls, Duration::from_secs(3))
+            .map_err(|e| match e {
+                CoordinatorsError::Net(e) => DaemonError::Net(e),
+                other => DaemonError::Config {
+                    key: "coordinator",
+                    reason: other.to_string(),
+                },
+            })?;
         let register = RegisterRequest {
             node_id: node.node_id.clone(),
             grpc_address: advertise,
@@ -125,7 +140,7 @@ impl Agent {
         };
         Ok(Self {
             node,
-            client,
+            coords: Arc::new(coords),
             register,
             interval: Arc::new(std::sync::Mutex::new(Duration::from_secs(1))),
             leaving: Arc::new(AtomicBool::new(false)),
@@ -171,8 +186,10 @@ impl Agent {
             req.previous_incarnation = self.node.incarnation.load(Ordering::Relaxed);
             let sent = Instant::now();
             let generation = self.node.generation.load(Ordering::Acquire);
-            match self.client.clone().register(request(req)).await {
+            let pick = self.coords.pick();
+            match pick.client().register(request(req)).await {
                 Ok(resp) => {
+                    self.coords.succeeded(&pick);
                     let r = resp.into_inner();
                     self.node.index.store(r.node_index, Ordering::Relaxed);
                     self.node
@@ -183,6 +200,7 @@ impl Agent {
                         self.apply_policy(p);
                     }
                     tracing::info!(
+                        coordinator = pick.address(),
                         index = r.node_index,
                         incarnation = r.incarnation,
                         lease_ms = r.lease_ms,
@@ -237,9 +255,11 @@ impl Agent {
                     )));
                 }
                 Err(s) => {
-                    tracing::warn!(code = ?s.code(), message = s.message(), "registration failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    tracing::warn!(coordinator = pick.address(), code = ?s.code(), message = s.message(), "registration failed; retrying");
+                    if self.coords.failed(&pick, &s) != AfterFailure::RetryNow {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
                 }
             }
         }
@@ -252,10 +272,14 @@ impl Agent {
     /// Returns (why) when the node must register again.
     async fn heartbeat_loop(&self) -> &'static str {
         let mut failing = false;
+        // After a failover switch: send the next heartbeat at once.
+        let mut retry_now = false;
         loop {
-            tokio::select! {
-                () = tokio::time::sleep(self.interval()) => {}
-                () = self.node.heartbeat_now.notified() => {}
+            if !std::mem::take(&mut retry_now) {
+                tokio::select! {
+                    () = tokio::time::sleep(self.interval()) => {}
+                    () = self.node.heartbeat_now.notified() => {}
+                }
             }
             if self.leaving() {
                 return "leaving";
@@ -272,8 +296,10 @@ impl Agent {
                 stats: Some(self.node.stats()),
             };
             let sent = Instant::now();
-            match self.client.clone().heartbeat(request(req)).await {
+            let pick = self.coords.pick();
+            match pick.client().heartbeat(request(req)).await {
                 Ok(resp) => {
+                    self.coords.succeeded(&pick);
                     if failing {
                         tracing::info!("heartbeats go through again");
                         failing = false;
@@ -308,9 +334,10 @@ impl Agent {
                 Err(s) => {
                     self.node.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
                     if !failing {
-                        tracing::warn!(code = ?s.code(), message = s.message(), "heartbeat failed; retrying");
+                        tracing::warn!(coordinator = pick.address(), code = ?s.code(), message = s.message(), "heartbeat failed; retrying");
                         failing = true;
                     }
+                    retry_now = self.coords.failed(&pick, &s) == AfterFailure::RetryNow;
                 }
             }
         }
@@ -319,13 +346,15 @@ impl Agent {
     async fn watch_loop(self, generation: u64) {
         let mut backoff = Duration::from_millis(100);
         loop {
-            match self
-                .client
-                .clone()
+            let pick = self.coords.pick();
+            let mut retry_now = false;
+            match pick
+                .client()
                 .watch_map(WatchMapRequest { min_epoch: 0 })
                 .await
             {
                 Ok(resp) => {
+                    self.coords.succeeded(&pick);
                     let mut stream = resp.into_inner();
                     let mut first = true;
                     loop {
@@ -340,18 +369,22 @@ impl Agent {
                             }
                             Ok(None) => break,
                             Err(s) => {
-                                tracing::debug!(code = ?s.code(), message = s.message(), "map stream broke");
+                                tracing::debug!(coordinator = pick.address(), code = ?s.code(), message = s.message(), "map stream broke");
+                                retry_now = self.coords.failed(&pick, &s) == AfterFailure::RetryNow;
                                 break;
                             }
                         }
                     }
                 }
                 Err(s) => {
-                    tracing::debug!(code = ?s.code(), message = s.message(), "cannot watch the map");
+                    tracing::debug!(coordinator = pick.address(), code = ?s.code(), message = s.message(), "cannot watch the map");
+                    retry_now = self.coords.failed(&pick, &s) == AfterFailure::RetryNow;
                 }
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(2));
+            if !retry_now {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
         }
     }
 
@@ -397,12 +430,25 @@ impl Agent {
             node_id: self.node.node_id.clone(),
             incarnation: self.node.incarnation.load(Ordering::Relaxed),
         };
-        let mut r = tonic::Request::new(req);
-        r.set_timeout(Duration::from_secs(2));
-        match self.client.clone().leave(r).await {
-            Ok(resp) => tracing::info!(epoch = resp.into_inner().map_epoch, "left the cluster"),
-            Err(s) => {
-                tracing::warn!(code = ?s.code(), message = s.message(), "could not leave the cluster")
+        // Two seconds in all, whichever coordinators it takes.
+        let end = Instant::now() + Duration::from_secs(2);
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let mut r = tonic::Request::new(req.clone());
+            r.set_timeout(left.max(Duration::from_millis(1)));
+            let pick = self.coords.pick();
+            match pick.client().leave(r).await {
+                Ok(resp) => {
+                    tracing::info!(epoch = resp.into_inner().map_epoch, "left the cluster");
+                    return;
+                }
+                Err(s) => {
+                    let again = self.coords.failed(&pick, &s) == AfterFailure::RetryNow;
+                    if !again || Instant::now() >= end {
+                        tracing::warn!(coordinator = pick.address(), code = ?s.code(), message = s.message(), "could not leave the cluster");
+                        return;
+                    }
+                }
             }
         }
     }

@@ -33,7 +33,8 @@ struct Args {
     /// Prometheus /metrics listen address; "" disables it.
     #[arg(long)]
     metrics_listen: Option<String>,
-    /// Coordinator address (host:port).
+    /// Coordinator addresses, comma-separated (host:port,...): calls follow
+    /// the leader among them.
     #[arg(long, env = "PAGEWIRE_COORDINATOR")]
     coordinator: Option<String>,
     /// File holding the cluster token.

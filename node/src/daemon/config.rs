@@ -175,9 +175,7 @@ impl Config {
                 "required (the big file this cluster caches)",
             ));
         }
-        if self.coordinator.is_empty() {
-            return Err(invalid("coordinator", "required"));
-        }
+        self.coordinators()?;
         if self.max_pages_per_call == 0 || self.max_pages_per_call > 1 << 16 {
             return Err(invalid("max_pages_per_call", "must be in 1..=65536"));
         }
@@ -197,6 +195,12 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// The coordinator addresses (`coordinator`, comma-separated), checked.
+    pub(crate) fn coordinators(&self) -> Result<Vec<String>, DaemonError> {
+        pagewire_proto::leader::parse_address_list(&self.coordinator)
+            .map_err(|e| invalid("coordinator", e.to_string()))
     }
 
     pub(crate) fn resolve_token(&self) -> Result<String, DaemonError> {
@@ -239,10 +243,50 @@ pub(crate) fn hostname() -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::{Config, DaemonError};
+
+    fn coordinator_error(list: &str) -> Option<String> {
+        let cfg = Config {
+            backing_file: "/data.bin".into(),
+            coordinator: list.into(),
+            ..Config::default()
+        };
+        match cfg.validate() {
+            Ok(()) => None,
+            Err(DaemonError::Config {
+                key: "coordinator",
+                reason,
+            }) => Some(reason),
+            Err(e) => panic!("{list:?}: another error: {e}"),
+        }
+    }
+
+    #[test]
+    fn coordinator_lists_are_validated() {
+        assert_eq!(coordinator_error("127.0.0.1:7400"), None);
+        assert_eq!(coordinator_error(" a:7400, b:7400 ,https://c:7400"), None);
+        let cfg = Config {
+            coordinator: "a:1, b:2,a:1".into(),
+            ..Config::default()
+        };
+        assert_eq!(cfg.coordinators().unwrap(), vec!["a:1", "b:2"]);
+        let r = coordinator_error("").expect("empty");
+        assert!(r.contains("no coordinator address"), "{r}");
+        let r = coordinator_error("a:7400,b").expect("no port");
+        assert!(r.contains("\"b\"") && r.contains("host:port"), "{r}");
+        let r = coordinator_error("a:7400,b:0").expect("port 0");
+        assert!(r.contains("port 0"), "{r}");
+        let many: Vec<String> = (0..17).map(|i| format!("c{i}:7400")).collect();
+        let r = coordinator_error(&many.join(",")).expect("too many");
+        assert!(r.contains("17") && r.contains("at most 16"), "{r}");
+        assert_eq!(coordinator_error(&many[..16].join(",")), None);
+    }
+
     #[test]
     fn example_config_parses() {
         let cfg: super::Config =
             toml::from_str(include_str!("pagewire-node.example.toml")).unwrap();
+        assert_eq!(cfg.coordinators().unwrap(), vec!["127.0.0.1:7400"]);
         assert!(
             cfg.validate().is_err(),
             "the example leaves backing_file empty"

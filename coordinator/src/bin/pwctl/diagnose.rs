@@ -5,13 +5,18 @@
 
 use std::time::Duration;
 
+use pagewire_proto::leader::host_port;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A coordinator call that failed, kept whole so `main` can explain it.
 #[derive(Debug)]
 pub(crate) struct CallFailed {
     pub(crate) what: String,
+    /// The coordinator that gave `status`.
+    pub(crate) address: String,
     pub(crate) status: tonic::Status,
+    /// The other coordinators tried before, each with its failure.
+    pub(crate) tried: Vec<String>,
 }
 
 impl std::fmt::Display for CallFailed {
@@ -22,7 +27,16 @@ impl std::fmt::Display for CallFailed {
             self.what,
             self.status.code(),
             self.status.message()
-        )
+        )?;
+        if !self.tried.is_empty() {
+            write!(
+                f,
+                " (at {}; before: {})",
+                self.address,
+                self.tried.join("; ")
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -89,15 +103,6 @@ pub(crate) async fn judge(address: &str, s: &tonic::Status) -> Option<WrongServe
         .to_ascii_lowercase()
         .contains("protocol error")
         .then_some(WrongServer::NotGrpc { http1 })
-}
-
-/// `host:port` of an address given as `host:port` or a URL.
-fn host_port(address: &str) -> &str {
-    let a = address
-        .strip_prefix("http://")
-        .or_else(|| address.strip_prefix("https://"))
-        .unwrap_or(address);
-    a.split('/').next().unwrap_or(a)
 }
 
 /// Whether `address` answers `GET / HTTP/1.0` with an HTTP/1 status line.

@@ -5,9 +5,10 @@
 //! unreachable, a node refused, ...), 2 on a usage or configuration error
 //! (bad flags, no token, a token file that cannot be read or is empty).
 //!
-//! Modules: `diagnose` (what a wrong `--coordinator` address is),
-//! `stats` (the fan-out to the nodes), `range` (warm and evict in chunks,
-//! with progress).
+//! Modules: `coord` (the `--coordinator` list and failover between
+//! coordinators), `status` (`pwctl status`), `diagnose` (what a wrong
+//! `--coordinator` address is), `stats` (the fan-out to the nodes), `range`
+//! (warm and evict in chunks, with progress).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,17 +19,12 @@ use clap::{Parser, Subcommand};
 use pagewire_coordinator::config::{parse_admission, parse_eviction};
 use pagewire_coordinator::error::state_name;
 use pagewire_proto::auth::AttachToken;
-use pagewire_proto::net::{self, ClientTls};
-use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::{
     ClusterRangeResponse, DrainRequest, GetMapRequest, ListNodesRequest, NodeInfo, NodeState,
     NodeStats, OwnershipMap, Policy, SetPolicyRequest, StatusRequest, Topology,
 };
 use serde_json::{Value, json};
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
-
-type Coord = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
 
 /// Writes to stdout; a closed pipe (`pwctl ... | head`) ends pwctl quietly
 /// instead of panicking as `print!` would.
@@ -53,10 +49,13 @@ macro_rules! outln {
     ($($t:tt)*) => { $crate::write_stdout(format_args!("{}\n", format_args!($($t)*))) };
 }
 
+mod coord;
 mod diagnose;
 mod range;
 mod stats;
+mod status;
 
+use coord::Coord;
 use diagnose::CallFailed;
 
 /// Admin CLI of a pagewire cluster.
@@ -69,7 +68,8 @@ use diagnose::CallFailed;
                   error (bad flags or RANGE, no token, unreadable or empty token file)."
 )]
 struct Cli {
-    /// Coordinator address (host:port or URL).
+    /// Coordinator addresses, comma-separated (host:port or URL, at most
+    /// 16): reads go to the first that answers, writes follow the leader.
     #[arg(
         long,
         global = true,
@@ -177,11 +177,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let address = cli.coordinator.clone();
     match rt.block_on(async {
         let r = run(cli).await;
         match r {
-            Err(e) => Err(explain(&address, e).await),
+            Err(e) => Err(explain(e).await),
             ok => ok,
         }
     }) {
@@ -205,10 +204,11 @@ fn main() -> ExitCode {
 
 /// Says so when a call failed because `--coordinator` names a node or a
 /// metrics port.
-async fn explain(address: &str, e: anyhow::Error) -> anyhow::Error {
+async fn explain(e: anyhow::Error) -> anyhow::Error {
     let Some(call) = e.downcast_ref::<CallFailed>() else {
         return e;
     };
+    let address = &call.address;
     match diagnose::judge(address, &call.status).await {
         Some(wrong) => anyhow!(
             "{} failed: cannot use {address} as the coordinator: {wrong}",
@@ -247,25 +247,6 @@ fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
     })
 }
 
-async fn coordinator(cli: &Cli, ctx: &Ctx) -> anyhow::Result<Coord> {
-    let channel = net::connect(&cli.coordinator, ctx.tls.as_ref(), ctx.timeout)
-        .await
-        .map_err(|e| {
-            let cause = match &e {
-                net::NetError::Connect { source, .. } => error_chain(source),
-                other => error_chain(other),
-            };
-            anyhow!(
-                "cannot reach the coordinator at {}: {cause}; is it running? (set --coordinator or PAGEWIRE_COORDINATOR)",
-                cli.coordinator,
-            )
-        })?;
-    Ok(
-        CoordinatorClient::with_interceptor(channel, ctx.token.clone())
-            .max_decoding_message_size(256 << 20),
-    )
-}
-
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
@@ -286,16 +267,8 @@ fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
     r
 }
 
-fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
-    CallFailed {
-        what: what.to_owned(),
-        status: s,
-    }
-    .into()
-}
-
 async fn run(cli: Cli) -> anyhow::Result<bool> {
-    let ctx = Ctx {
+    let ctx = &Ctx {
         token: token(&cli)?,
         tls: cli.tls_ca.clone().map(|ca_file| ClientTls {
             ca_file,
@@ -341,69 +314,24 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         _ => None,
     };
-    let mut c = coordinator(&cli, &ctx).await?;
+    let mut c = Coord::new(
+        &cli.coordinator,
+        ctx.token.clone(),
+        ctx.tls.clone(),
+        ctx.timeout,
+    )?;
     match &cli.cmd {
         Cmd::Status => {
-            let s = c
-                .status(req(&ctx, StatusRequest {}))
-                .await
-                .map_err(|e| status_err("status", e))?
-                .into_inner();
-            if ctx.json {
-                print_json(&json!({
-                    "cluster": s.cluster_name, "epoch": s.epoch, "file_size": s.file_size,
-                    "extent_size": s.extent_size, "page_size": s.page_size,
-                    "extents": s.extent_count, "extents_unowned": s.extents_unowned,
-                    "extents_in_handoff": s.extents_in_handoff, "nodes_alive": s.nodes_alive,
-                    "nodes_total": s.nodes_total, "lease_ms": s.lease_ms,
-                    "policy": s.policy.map(|p| policy_json(&p)), "uptime_ms": s.uptime_ms,
-                    "version": s.version,
-                }));
-            } else {
-                let p = s.policy.unwrap_or_default();
-                let rows = vec![
-                    vec!["cluster".into(), s.cluster_name],
-                    vec![
-                        "coordinator".into(),
-                        format!(
-                            "{} (v{}, up {})",
-                            cli.coordinator,
-                            s.version,
-                            human_ms(s.uptime_ms)
-                        ),
-                    ],
-                    vec!["epoch".into(), s.epoch.to_string()],
-                    vec![
-                        "file".into(),
-                        format!("{} ({} bytes)", human_bytes(s.file_size), s.file_size),
-                    ],
-                    vec![
-                        "extents".into(),
-                        format!(
-                            "{} of {}, {} unowned, {} in handoff",
-                            s.extent_count,
-                            human_bytes(s.extent_size),
-                            s.extents_unowned,
-                            s.extents_in_handoff
-                        ),
-                    ],
-                    vec!["page size".into(), human_bytes(u64::from(s.page_size))],
-                    vec![
-                        "nodes".into(),
-                        format!(
-                            "{} holding a lease, {} members",
-                            s.nodes_alive, s.nodes_total
-                        ),
-                    ],
-                    vec!["lease".into(), human_ms(s.lease_ms)],
-                    vec!["policy".into(), policy_text(&p)],
-                ];
-                out!("{}", table(&[], &rows));
-            }
+            let (s, answered) = c
+                .call_at("status", |mut c| async move {
+                    c.status(req(ctx, StatusRequest {})).await
+                })
+                .await?;
+            status::print(&s, &answered, ctx.json);
             Ok(true)
         }
         Cmd::Nodes => {
-            let nodes = list_nodes(&mut c, &ctx).await?;
+            let nodes = list_nodes(&mut c, ctx).await?;
             if ctx.json {
                 print_json(&Value::Array(nodes.iter().map(node_json).collect()));
             } else {
@@ -452,12 +380,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             Ok(true)
         }
         Cmd::Map { extents } => {
-            let map = c
-                .get_map(req(&ctx, GetMapRequest {}))
-                .await
-                .map_err(|e| status_err("map", e))?
-                .into_inner();
-            let nodes = list_nodes(&mut c, &ctx).await?;
+            let map = get_map(&mut c, ctx).await?;
+            let nodes = list_nodes(&mut c, ctx).await?;
             print_map(&map, &nodes, *extents, ctx.json);
             Ok(true)
         }
@@ -468,24 +392,23 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             } else {
                 range::Op::Evict
             };
-            let resp = range::run(&mut c, &ctx, op, offset, length).await?;
+            let resp = range::run(&mut c, ctx, op, offset, length).await?;
             Ok(print_range_result(op.name(), &resp, ctx.json))
         }
         Cmd::Drain { node, wait } => {
+            let r = DrainRequest {
+                node_id: node.clone(),
+            };
             let r = c
-                .drain(req(
-                    &ctx,
-                    DrainRequest {
-                        node_id: node.clone(),
-                    },
-                ))
-                .await
-                .map_err(|e| status_err("drain", e))?
-                .into_inner();
+                .call("drain", |mut c| {
+                    let r = r.clone();
+                    async move { c.drain(req(ctx, r)).await }
+                })
+                .await?;
             let deadline = tokio::time::Instant::now() + Duration::from_secs(*wait);
             let mut state = NodeState::Draining;
             while *wait > 0 && state == NodeState::Draining {
-                let nodes = list_nodes(&mut c, &ctx).await?;
+                let nodes = list_nodes(&mut c, ctx).await?;
                 state = nodes
                     .iter()
                     .find(|n| &n.node_id == node)
@@ -511,12 +434,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             }
             let done = *wait == 0 || state == NodeState::Drained;
             if !done {
-                let map = c
-                    .get_map(req(&ctx, GetMapRequest {}))
-                    .await
-                    .map_err(|e| status_err("map", e))?
-                    .into_inner();
-                let nodes = list_nodes(&mut c, &ctx).await?;
+                let map = get_map(&mut c, ctx).await?;
+                let nodes = list_nodes(&mut c, ctx).await?;
                 eprintln!(
                     "pwctl: gave up after {wait} s: {}",
                     drain_blocker(&map, &nodes, node, state)
@@ -525,16 +444,15 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             Ok(done)
         }
         Cmd::Undrain { node } => {
+            let r = DrainRequest {
+                node_id: node.clone(),
+            };
             let r = c
-                .undrain(req(
-                    &ctx,
-                    DrainRequest {
-                        node_id: node.clone(),
-                    },
-                ))
-                .await
-                .map_err(|e| status_err("undrain", e))?
-                .into_inner();
+                .call("undrain", |mut c| {
+                    let r = r.clone();
+                    async move { c.undrain(req(ctx, r)).await }
+                })
+                .await?;
             if ctx.json {
                 print_json(&json!({"node": node, "epoch": r.map_epoch}));
             } else {
@@ -546,9 +464,9 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             watch,
             node_timeout_ms,
         } => loop {
-            let nodes = list_nodes(&mut c, &ctx).await?;
+            let nodes = list_nodes(&mut c, ctx).await?;
             let per_node = Duration::from_millis((*node_timeout_ms).max(1));
-            let rows = stats::collect(&nodes, &ctx, per_node).await;
+            let rows = stats::collect(&nodes, ctx, per_node).await;
             if watch.is_some() && !ctx.json {
                 out!("\x1b[2J\x1b[H");
             }
@@ -559,16 +477,16 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             }
         },
         Cmd::Topology => {
-            let nodes = list_nodes(&mut c, &ctx).await?;
+            let nodes = list_nodes(&mut c, ctx).await?;
             print_topology(&nodes, ctx.json);
             Ok(true)
         }
         Cmd::Policy { .. } => {
             let current = c
-                .status(req(&ctx, StatusRequest {}))
-                .await
-                .map_err(|e| status_err("status", e))?
-                .into_inner()
+                .call("status", |mut c| async move {
+                    c.status(req(ctx, StatusRequest {})).await
+                })
+                .await?
                 .policy
                 .unwrap_or_default();
             let p = if let Some((a, e, hi, lo)) = policy_change {
@@ -585,12 +503,14 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 if let Some(lo) = lo {
                     p.low_watermark_percent = lo;
                 }
-                c.set_policy(req(&ctx, SetPolicyRequest { policy: Some(p) }))
-                    .await
-                    .map_err(|e| status_err("policy", e))?
-                    .into_inner()
-                    .policy
-                    .unwrap_or_default()
+                let r = SetPolicyRequest { policy: Some(p) };
+                c.call(
+                    "policy",
+                    |mut c| async move { c.set_policy(req(ctx, r)).await },
+                )
+                .await?
+                .policy
+                .unwrap_or_default()
             } else {
                 current
             };
@@ -654,11 +574,18 @@ fn drain_blocker(map: &OwnershipMap, nodes: &[NodeInfo], node: &str, state: Node
 }
 
 async fn list_nodes(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<Vec<NodeInfo>> {
-    Ok(c.list_nodes(req(ctx, ListNodesRequest {}))
-        .await
-        .map_err(|e| status_err("nodes", e))?
-        .into_inner()
-        .nodes)
+    Ok(c.call("nodes", |mut c| async move {
+        c.list_nodes(req(ctx, ListNodesRequest {})).await
+    })
+    .await?
+    .nodes)
+}
+
+async fn get_map(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<OwnershipMap> {
+    c.call("map", |mut c| async move {
+        c.get_map(req(ctx, GetMapRequest {})).await
+    })
+    .await
 }
 
 /// Parses a size: digits with an optional K, M, G or T suffix (powers of 1024).

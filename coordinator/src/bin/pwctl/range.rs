@@ -11,7 +11,7 @@ use pagewire_proto::v1::{
     ByteRange, ClusterRangeRequest, ClusterRangeResponse, NodeRangeResult, NodeState, StatusRequest,
 };
 
-use super::{Coord, Ctx, human_bytes, list_nodes, req, status_err};
+use super::{Coord, Ctx, human_bytes, list_nodes, req};
 
 /// Bytes asked of the coordinator per call (rounded to whole extents).
 const CHUNK: u64 = 1 << 30;
@@ -86,6 +86,22 @@ fn merge(total: &mut BTreeMap<String, NodeRangeResult>, chunk: Vec<NodeRangeResu
     }
 }
 
+/// One Warm or Evict call, on whichever coordinator leads.
+async fn send(
+    c: &mut Coord,
+    ctx: &Ctx,
+    op: Op,
+    r: ClusterRangeRequest,
+) -> anyhow::Result<ClusterRangeResponse> {
+    c.call(op.name(), |mut c| async move {
+        match op {
+            Op::Warm => c.warm(req(ctx, r)).await,
+            Op::Evict => c.evict(req(ctx, r)).await,
+        }
+    })
+    .await
+}
+
 pub(crate) async fn run(
     c: &mut Coord,
     ctx: &Ctx,
@@ -95,10 +111,10 @@ pub(crate) async fn run(
 ) -> anyhow::Result<ClusterRangeResponse> {
     let what = op.name();
     let status = c
-        .status(req(ctx, StatusRequest {}))
-        .await
-        .map_err(|e| status_err("status", e))?
-        .into_inner();
+        .call("status", |mut c| async move {
+            c.status(req(ctx, StatusRequest {})).await
+        })
+        .await?;
     let cache_bytes = if op == Op::Warm {
         list_nodes(c, ctx)
             .await?
@@ -128,11 +144,7 @@ pub(crate) async fn run(
         let r = ClusterRangeRequest {
             range: Some(ByteRange { offset, length }),
         };
-        let resp = match op {
-            Op::Warm => c.warm(req(ctx, r)).await,
-            Op::Evict => c.evict(req(ctx, r)).await,
-        };
-        return Ok(resp.map_err(|e| status_err(what, e))?.into_inner());
+        return send(c, ctx, op, r).await;
     }
     let tty = std::io::stderr().is_terminal();
     let mut total = BTreeMap::new();
@@ -146,17 +158,13 @@ pub(crate) async fn run(
                 length: n,
             }),
         };
-        let resp = match op {
-            Op::Warm => c.warm(req(ctx, r)).await,
-            Op::Evict => c.evict(req(ctx, r)).await,
-        };
-        let resp = match resp {
-            Ok(r) => r.into_inner(),
+        let resp = match send(c, ctx, op, r).await {
+            Ok(r) => r,
             Err(e) => {
                 if tty {
                     eprintln!();
                 }
-                return Err(status_err(what, e).context(format!(
+                return Err(e.context(format!(
                     "after {} of {}",
                     human_bytes(done),
                     human_bytes(length)

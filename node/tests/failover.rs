@@ -1,0 +1,237 @@
+//! Coordinator failover of the node daemon and of the cluster client's map
+//! follower, against fake coordinators in this process
+//! (`proto/tests/support/fake_coordinator.rs`): a candidate that refuses
+//! everything naming no leader, a follower that serves reads and names the
+//! leader on writes, and the leader.
+
+#[path = "../../proto/tests/support/fake_coordinator.rs"]
+mod fake_coordinator;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fake_coordinator::{Fake, Role};
+use pagewire_node::client::{FollowerConfig, MapFollower};
+use pagewire_proto::v1::OwnershipMap;
+
+const TOKEN: &str = "failover-test-token";
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out after {limit:?} waiting for {what}");
+}
+
+/// A node daemon process; killed on drop, its log shown when a test fails.
+struct NodeProc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl NodeProc {
+    fn start(dir: &Path, coordinators: &str) -> Self {
+        std::fs::write(dir.join("token"), TOKEN).expect("token file");
+        std::fs::File::create(dir.join("data.bin"))
+            .and_then(|f| f.set_len(1 << 20))
+            .expect("backing file");
+        let log = dir.join("node.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_pagewire-node"))
+            .args(["--node-id", "n1"])
+            .arg("--backing-file")
+            .arg(dir.join("data.bin"))
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", ""])
+            .args(["--coordinator", coordinators])
+            .arg("--token-file")
+            .arg(dir.join("token"))
+            .args(["--frames", "64"])
+            .arg("--shm-dir")
+            .arg(dir)
+            .env_remove("RUST_LOG")
+            .env_remove("PAGEWIRE_COORDINATOR")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn pagewire-node");
+        NodeProc { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- node log ---\n{}", self.log());
+        }
+    }
+}
+
+#[test]
+fn the_node_follows_refusals_to_the_leader_for_every_call() {
+    let rt = runtime();
+    let leader = Fake::start(&rt, TOKEN, Role::Leader);
+    let follower = Fake::start(
+        &rt,
+        TOKEN,
+        Role::Follower {
+            hint: Some(leader.address.clone()),
+        },
+    );
+    let candidate = Fake::start(&rt, TOKEN, Role::Candidate);
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The leader is not in the list: only the follower's hint names it.
+    let list = format!("{},{}", candidate.address, follower.address);
+    let mut node = NodeProc::start(dir.path(), &list);
+
+    wait_for("heartbeats on the leader", Duration::from_secs(20), || {
+        leader.count("Heartbeat") >= 3
+    });
+    assert_eq!(leader.count("Register"), 1);
+    // The candidate named no one: the node tried the next address, which
+    // named the leader.
+    assert!(candidate.count("Register") >= 1);
+    assert!(follower.count("Register") >= 1);
+    assert_eq!(
+        candidate.count("Heartbeat") + follower.count("Heartbeat"),
+        0
+    );
+    let log = node.log();
+    for (from, to) in [
+        (&candidate.address, &follower.address),
+        (&follower.address, &leader.address),
+    ] {
+        let line = format!("switching coordinator from={from} to={to}");
+        assert!(log.contains(&line), "no {line:?} in the log:\n{log}");
+    }
+
+    // Leadership moves to the follower: heartbeats follow the new hint.
+    follower.set_role(Role::Leader);
+    leader.set_role(Role::Follower {
+        hint: Some(follower.address.clone()),
+    });
+    let before = follower.count("Heartbeat");
+    wait_for(
+        "heartbeats on the new leader",
+        Duration::from_secs(10),
+        || follower.count("Heartbeat") >= before + 3,
+    );
+    // One heartbeat refused, no new registration: the lease held.
+    assert_eq!(leader.count("Register") + follower.count("Register"), 2);
+
+    // Leaving on SIGTERM reaches the leader too.
+    follower.set_role(Role::Follower {
+        hint: Some(leader.address.clone()),
+    });
+    leader.set_role(Role::Leader);
+    let ok = Command::new("kill")
+        .args(["-TERM", &node.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(ok.success());
+    let status = node.child.wait().expect("wait for the node");
+    assert!(status.success(), "node exited with {status}");
+    assert_eq!(leader.count("Leave"), 1, "{}", node.log());
+}
+
+fn map(epoch: u64) -> OwnershipMap {
+    OwnershipMap {
+        epoch,
+        file_size: 1 << 20,
+        extent_size: 64 << 10,
+        page_size: 4096,
+        owner: vec![0; 16],
+        previous_owner: vec![0; 16],
+        released_by: vec![0; 16],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_map_follower_confirms_through_any_coordinator_and_refetches_on_a_switch() {
+    let rt = runtime();
+    let candidate = Fake::start(&rt, TOKEN, Role::Candidate);
+    let follower = Fake::start(&rt, TOKEN, Role::Follower { hint: None });
+    for f in [&candidate, &follower] {
+        let mut st = f.state();
+        st.map = map(5);
+        st.lease_ms = 2000;
+    }
+    let cfg = FollowerConfig {
+        poll_interval: Some(Duration::from_millis(30)),
+        ..FollowerConfig::default()
+    };
+    let list = format!("{},{}", candidate.address, follower.address);
+    let mf = MapFollower::start_with(&list, TOKEN, cfg).expect("follower");
+    assert_eq!(mf.epoch(), 5);
+    assert!(mf.trusted_until().is_some_and(|t| t > Instant::now()));
+    assert!(candidate.count("Status") >= 1);
+    assert_eq!(follower.count("GetMap"), 1);
+
+    // Later polls confirm through the follower's Status alone, and each
+    // moves the trust window on.
+    let first = mf.trusted_until().expect("trusted");
+    wait_for("confirmations", Duration::from_secs(10), || {
+        follower.count("Status") >= 5
+    });
+    assert_eq!(follower.count("GetMap"), 1, "the epoch did not move");
+    assert!(mf.trusted_until().expect("trusted") > first);
+    assert!(mf.last_error().is_none(), "{:?}", mf.last_error());
+
+    // The follower stops answering; the other coordinator answers with the
+    // same epoch and a smaller uptime. Another coordinator: fetch its map.
+    candidate.state().uptime_ms = 10;
+    candidate.set_role(Role::Follower { hint: None });
+    follower.set_role(Role::Candidate);
+    wait_for(
+        "a map from the other coordinator",
+        Duration::from_secs(10),
+        || candidate.count("GetMap") == 1,
+    );
+    let statuses = candidate.count("Status");
+    wait_for("confirmations there", Duration::from_secs(10), || {
+        candidate.count("Status") >= statuses + 3
+    });
+    assert_eq!(candidate.count("GetMap"), 1, "its uptime only grew");
+    assert_eq!(mf.epoch(), 5);
+
+    // Its uptime goes back on the same address: it restarted.
+    candidate.state().uptime_ms = 5;
+    wait_for("a map after the restart", Duration::from_secs(10), || {
+        candidate.count("GetMap") == 2
+    });
+    assert!(mf.trusted_until().is_some_and(|t| t > Instant::now()));
+}
+
+#[test]
+fn the_map_follower_refuses_a_bad_address_list() {
+    for bad in ["", "127.0.0.1", "a:1,b:99999"] {
+        match MapFollower::start(bad, TOKEN) {
+            Err(pagewire_node::client::ClientError::Addresses(e)) => {
+                assert!(
+                    e.to_string().contains("coordinator address"),
+                    "{bad:?}: {e}"
+                )
+            }
+            Err(e) => panic!("{bad:?}: another error: {e}"),
+            Ok(_) => panic!("{bad:?} was accepted"),
+        }
+    }
+}
