@@ -40,7 +40,9 @@
 //! any coordinator is as good as one from the leader: a follower answers
 //! `Status` and `GetMap` only after confirming with etcd that its copy is
 //! current, so the epoch it names was current at some instant after
-//! `t_send`, which is all the window needs. Uptimes compare only on one
+//! `t_send`, which is all the window needs. A `Status` that could not be
+//! confirmed says so in `store_problem`; it is taken as a failure of that
+//! coordinator (the poll moves on), never as a confirmation. Uptimes compare only on one
 //! address: a `Status` whose `uptime_ms` went back *on the same address*
 //! still means that coordinator restarted (fetch the map), while the first
 //! answer from another address than the last one always fetches `GetMap`,
@@ -225,6 +227,17 @@ impl Coordinator {
         let mut c = pick.client();
         let sent = Instant::now();
         let st = self.timed("Status", c.status(StatusRequest {})).await?;
+        if !st.store_problem.is_empty() {
+            // That coordinator could not confirm its copy with the store:
+            // its epoch confirms nothing (try another).
+            return Err((
+                "Status",
+                tonic::Status::unavailable(format!(
+                    "the coordinator cannot confirm its map: {}",
+                    st.store_problem
+                )),
+            ));
+        }
         let (switched, restarted) = match &self.last {
             Some((address, uptime)) if address == pick.address() => (false, st.uptime_ms < *uptime),
             _ => (true, false),

@@ -1,0 +1,941 @@
+//! Several coordinators over a real three-member etcd cluster (Debian's
+//! `etcd-server`), with real `pagewire-node` daemons and a reader that
+//! verifies every byte it reads against the self-describing file format.
+//!
+//! Needs the `etcd` feature and `etcd` on the PATH. Without the binary the
+//! tests print why and pass, unless `PAGEWIRE_REQUIRE_ETCD=1` (CI sets it),
+//! which makes a missing binary a failure. `pagewire-node` must be built
+//! (`cargo build -p pagewire-node`; `cargo test --workspace` builds it).
+//!
+//! Each test prints what it measured (failover times, epochs per leader,
+//! how long map changes stalled) for the closing notes of the work.
+
+#![cfg(feature = "etcd")]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use pagewire_coordinator::store::etcd::{EpochRecord, epoch_history};
+use pagewire_proto::auth::AttachToken;
+use pagewire_proto::v1::coordinator_client::CoordinatorClient;
+use pagewire_proto::v1::node_client::NodeClient;
+use pagewire_proto::v1::{
+    CoordinatorRole, DrainRequest, GetMapRequest, ListNodesRequest, NodeState, OwnershipMap,
+    PageRun, ReadRequest, StatusRequest, StatusResponse,
+};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+const TOKEN: &str = "test-cluster-token";
+const PAGE: u64 = 4096;
+const EXTENT: u64 = 64 << 10;
+/// 512 extents of 64 KiB.
+const FILE: u64 = 32 << 20;
+/// The etcd lease of each coordinator: failover takes about this long.
+const TTL_S: u64 = 2;
+/// The nodes' lease: long, so that the tests see the coordinators' own
+/// behaviour and not nodes declared dead on a loaded 2-core machine.
+const NODE_LEASE_MS: u64 = 20_000;
+
+fn etcd_available() -> bool {
+    let found = Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var_os("PAGEWIRE_REQUIRE_ETCD").is_none(),
+            "PAGEWIRE_REQUIRE_ETCD is set but there is no `etcd` binary on the PATH \
+             (Debian: apt-get install etcd-server)"
+        );
+        eprintln!("skipped: no `etcd` binary on the PATH (Debian: etcd-server)");
+    }
+    found
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+fn coordinator_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-coordinator"))
+}
+
+fn node_bin() -> PathBuf {
+    let p = coordinator_bin()
+        .parent()
+        .expect("binary dir")
+        .join("pagewire-node");
+    assert!(
+        p.exists(),
+        "{} is not built: run `cargo build -p pagewire-node`",
+        p.display()
+    );
+    p
+}
+
+struct Proc {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill -{signal} {}", self.name);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// SplitMix64, as the brief fixes the self-describing page format.
+fn fill(page: u64, buf: &mut [u8]) {
+    const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+    buf[..8].copy_from_slice(&page.to_le_bytes());
+    buf[8..16].copy_from_slice(&0u64.to_le_bytes());
+    let mut state = page.wrapping_mul(GOLDEN);
+    for c in buf[16..].chunks_exact_mut(8) {
+        state = state.wrapping_add(GOLDEN);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        c.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+}
+
+struct World {
+    dir: tempfile::TempDir,
+    etcd_client: Vec<u16>,
+    etcd_peer: Vec<u16>,
+    etcd: Vec<Proc>,
+    coord_ports: Vec<u16>,
+    coords: Vec<Proc>,
+    nodes: Vec<Proc>,
+    prefix: String,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        for p in self
+            .coords
+            .iter_mut()
+            .chain(self.nodes.iter_mut())
+            .chain(self.etcd.iter_mut())
+        {
+            if panicking {
+                let log = p.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(12).collect();
+                eprintln!("--- last lines of {} ---", p.name);
+                for l in tail.iter().rev() {
+                    eprintln!("{}", l.chars().take(400).collect::<String>());
+                }
+            }
+            // A SIGSTOPped process must be continued to die cleanly.
+            if p.child.is_some() {
+                p.signal("CONT");
+            }
+            p.kill9();
+        }
+    }
+}
+
+type Coord = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn coord(port: u16) -> Option<Coord> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .ok()?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(3))
+        .connect()
+        .await
+        .ok()?;
+    Some(CoordinatorClient::with_interceptor(
+        ch,
+        AttachToken::new(TOKEN).expect("token"),
+    ))
+}
+
+impl World {
+    fn new(name: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
+        // The self-describing file, generation 0.
+        let mut data = vec![0u8; FILE as usize];
+        for (p, chunk) in data.chunks_exact_mut(PAGE as usize).enumerate() {
+            fill(p as u64, chunk);
+        }
+        std::fs::write(dir.path().join("data.bin"), &data).expect("backing file");
+        let mut w = World {
+            etcd_client: (0..3).map(|_| free_port()).collect(),
+            etcd_peer: (0..3).map(|_| free_port()).collect(),
+            etcd: Vec::new(),
+            coord_ports: (0..3).map(|_| free_port()).collect(),
+            coords: Vec::new(),
+            nodes: Vec::new(),
+            prefix: format!("/pagewire-test/{name}-{}/", std::process::id()),
+            dir,
+        };
+        for i in 0..3 {
+            w.start_etcd(i);
+        }
+        w.wait_for("etcd to answer", Duration::from_secs(30), |w| {
+            Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .arg(format!("--endpoints={}", w.endpoints()))
+                .args(["endpoint", "health"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+        std::fs::write(
+            w.path("coordinator.toml"),
+            format!(
+                "[etcd]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\nrequest_timeout_ms = 1000\n",
+                w.prefix
+            ),
+        )
+        .expect("config");
+        w
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn endpoints(&self) -> String {
+        self.etcd_client
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn coordinator_list(&self) -> String {
+        self.coord_ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn start_etcd(&mut self, i: usize) {
+        let cluster = (0..3)
+            .map(|j| format!("e{j}=http://127.0.0.1:{}", self.etcd_peer[j]))
+            .collect::<Vec<_>>()
+            .join(",");
+        let log = self.path(&format!("etcd-{i}.log"));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log");
+        let (c, p) = (self.etcd_client[i], self.etcd_peer[i]);
+        let child = Command::new("etcd")
+            .arg("--name")
+            .arg(format!("e{i}"))
+            .arg("--data-dir")
+            .arg(self.path(&format!("etcd-{i}")))
+            .arg(format!("--listen-client-urls=http://127.0.0.1:{c}"))
+            .arg(format!("--advertise-client-urls=http://127.0.0.1:{c}"))
+            .arg(format!("--listen-peer-urls=http://127.0.0.1:{p}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{p}"
+            ))
+            .arg(format!("--initial-cluster={cluster}"))
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", "pagewire-test"])
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .expect("spawn etcd");
+        let proc = Proc {
+            name: format!("etcd-{i}"),
+            child: Some(child),
+            log,
+        };
+        if i < self.etcd.len() {
+            self.etcd[i] = proc;
+        } else {
+            self.etcd.push(proc);
+        }
+    }
+
+    fn start_coordinator(&mut self, i: usize) {
+        let log = self.path(&format!("coordinator-{i}.log"));
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log");
+        let child = Command::new(coordinator_bin())
+            .arg("--config")
+            .arg(self.path("coordinator.toml"))
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.coord_ports[i]))
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .arg("--store")
+            .arg(format!("etcd://{}", self.endpoints()))
+            .arg("--lease-ms")
+            .arg(NODE_LEASE_MS.to_string())
+            .arg("--extent-size")
+            .arg(EXTENT.to_string())
+            .args(["--log", "info"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .expect("spawn coordinator");
+        let proc = Proc {
+            name: format!("coordinator-{i}"),
+            child: Some(child),
+            log,
+        };
+        if i < self.coords.len() {
+            self.coords[i] = proc;
+        } else {
+            self.coords.push(proc);
+        }
+    }
+
+    fn start_node(&mut self, id: &str) {
+        let log = self.path(&format!("{id}.log"));
+        let child = Command::new(node_bin())
+            .args(["--node-id", id])
+            .arg("--backing-file")
+            .arg(self.path("data.bin"))
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .arg("--coordinator")
+            .arg(self.coordinator_list())
+            .arg("--token-file")
+            .arg(self.path("token"))
+            .args(["--frames", "2048"])
+            .arg("--shm-dir")
+            .arg(self.path(""))
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn node");
+        self.nodes.push(Proc {
+            name: id.into(),
+            child: Some(child),
+            log,
+        });
+    }
+
+    fn wait_for(&self, what: &str, limit: Duration, mut ok: impl FnMut(&Self) -> bool) -> Duration {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if ok(self) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out after {limit:?} waiting for {what}");
+    }
+
+    /// Status from coordinator `i`, if it answers.
+    fn status(&self, i: usize) -> Option<StatusResponse> {
+        let port = self.coord_ports[i];
+        rt().block_on(async move {
+            let mut c = coord(port).await?;
+            c.status(StatusRequest {})
+                .await
+                .ok()
+                .map(|r| r.into_inner())
+        })
+    }
+
+    /// The index of the coordinator that says it leads (among `among`).
+    fn leader(&self, among: &[usize]) -> Option<usize> {
+        among.iter().copied().find(|&i| {
+            self.status(i)
+                .is_some_and(|s| s.role() == CoordinatorRole::Leader)
+        })
+    }
+
+    fn map(&self, i: usize) -> Option<OwnershipMap> {
+        let port = self.coord_ports[i];
+        rt().block_on(async move {
+            let mut c = coord(port).await?;
+            c.get_map(GetMapRequest {})
+                .await
+                .ok()
+                .map(|r| r.into_inner())
+        })
+    }
+
+    /// Drain (or undrain) `node` through coordinator `i`.
+    fn drain(&self, i: usize, node: &str, undrain: bool) -> Result<u64, tonic::Status> {
+        let port = self.coord_ports[i];
+        let node = node.to_owned();
+        rt().block_on(async move {
+            let mut c = coord(port)
+                .await
+                .ok_or_else(|| tonic::Status::unavailable("no connection"))?;
+            let req = DrainRequest { node_id: node };
+            let r = if undrain {
+                c.undrain(req).await?
+            } else {
+                c.drain(req).await?
+            };
+            Ok(r.into_inner().map_epoch)
+        })
+    }
+
+    /// Waits until `n` nodes are alive, every extent is owned and no
+    /// handoff is in progress, as coordinator `i` sees it.
+    fn wait_settled(&self, i: usize, n: usize) -> OwnershipMap {
+        let mut last = None;
+        self.wait_for(
+            &format!("{n} settled nodes"),
+            Duration::from_secs(60),
+            |w| {
+                let Some(m) = w.map(i) else { return false };
+                let alive = m
+                    .nodes
+                    .iter()
+                    .filter(|x| x.state() == NodeState::Alive)
+                    .count();
+                let ok = m.epoch > 0
+                    && alive == n
+                    && !m.owner.is_empty()
+                    && m.owner.iter().all(|&o| o != 0)
+                    && m.previous_owner.iter().all(|&p| p == 0);
+                if ok {
+                    last = Some(m);
+                }
+                ok
+            },
+        );
+        last.expect("map")
+    }
+
+    fn history(&self) -> Vec<(u64, EpochRecord)> {
+        let eps: Vec<String> = self
+            .etcd_client
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let prefix = self.prefix.clone();
+        rt().block_on(async move { epoch_history(&eps, &prefix).await })
+            .expect("epoch history")
+    }
+}
+
+/// Every epoch from the first to the last is recorded exactly once (the
+/// keys are unique; this checks there is no gap) and by the leader whose
+/// fence was current. Returns the epochs per fence, in order.
+fn check_history(h: &[(u64, EpochRecord)]) -> Vec<(String, i64, usize)> {
+    assert!(!h.is_empty(), "no epoch recorded");
+    for w in h.windows(2) {
+        assert_eq!(
+            w[1].0,
+            w[0].0 + 1,
+            "a gap in the epochs: {:?}",
+            (w[0].0, w[1].0)
+        );
+        assert!(
+            w[1].1.fence >= w[0].1.fence,
+            "epoch {} carries an older fence ({}) than epoch {} ({}): a stale leader published",
+            w[1].0,
+            w[1].1.fence,
+            w[0].0,
+            w[0].1.fence
+        );
+    }
+    let mut per: Vec<(String, i64, usize)> = Vec::new();
+    for (_, r) in h {
+        match per.last_mut() {
+            Some((_, f, n)) if *f == r.fence => *n += 1,
+            _ => per.push((r.leader.clone(), r.fence, 1)),
+        }
+    }
+    per
+}
+
+/// Reads random pages from random nodes over gRPC and verifies every byte
+/// until stopped; counts reads, errors and wrong reads.
+struct Reader {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    errors: Arc<AtomicU64>,
+    wrong: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reader {
+    fn start(coordinators: String) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(AtomicU64::new(0));
+        let wrong = Arc::new(AtomicU64::new(0));
+        let (s, o, e, wr) = (stop.clone(), ok.clone(), errors.clone(), wrong.clone());
+        let thread = std::thread::spawn(move || {
+            let rt = rt();
+            rt.block_on(async move {
+                let ports: Vec<u16> = coordinators
+                    .split(',')
+                    .filter_map(|a| a.rsplit_once(':')?.1.parse().ok())
+                    .collect();
+                let mut rng = 0x1234_5678_9abc_def0u64;
+                let mut nodes: Vec<String> = Vec::new();
+                let mut want = vec![0u8; PAGE as usize];
+                while !s.load(Ordering::Relaxed) {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    if nodes.is_empty() || rng % 64 == 0 {
+                        for &p in &ports {
+                            if let Some(mut c) = coord(p).await
+                                && let Ok(r) = c.list_nodes(ListNodesRequest {}).await
+                            {
+                                nodes = r
+                                    .into_inner()
+                                    .nodes
+                                    .into_iter()
+                                    .filter(|n| n.state() == NodeState::Alive)
+                                    .map(|n| n.grpc_address)
+                                    .collect();
+                                break;
+                            }
+                        }
+                        if nodes.is_empty() {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    }
+                    let addr = &nodes[(rng as usize / 7) % nodes.len()];
+                    let page = (rng >> 20) % (FILE / PAGE);
+                    let read = async {
+                        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                            .ok()?
+                            .connect_timeout(Duration::from_millis(500))
+                            .timeout(Duration::from_secs(3))
+                            .connect()
+                            .await
+                            .ok()?;
+                        let mut n = NodeClient::with_interceptor(ch, AttachToken::new(TOKEN).ok()?);
+                        n.read(ReadRequest {
+                            run: Some(PageRun {
+                                first_page: page,
+                                page_count: 1,
+                            }),
+                            map_epoch: 0,
+                        })
+                        .await
+                        .ok()
+                    };
+                    match read.await {
+                        Some(r) => {
+                            fill(page, &mut want);
+                            if r.into_inner().data == want {
+                                o.fetch_add(1, Ordering::Relaxed);
+                            } else {
+                                wr.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        None => {
+                            e.fetch_add(1, Ordering::Relaxed);
+                            nodes.clear();
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                }
+            });
+        });
+        Reader {
+            stop,
+            ok,
+            errors,
+            wrong,
+            thread: Some(thread),
+        }
+    }
+
+    fn ok(&self) -> u64 {
+        self.ok.load(Ordering::Relaxed)
+    }
+
+    /// Stops; returns (verified reads, errors, wrong reads).
+    fn finish(mut self) -> (u64, u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.join().expect("reader");
+        }
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.errors.load(Ordering::Relaxed),
+            self.wrong.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn log_has(p: &Proc, text: &str) -> bool {
+    p.log_text().contains(text)
+}
+
+fn since(p: &Path) -> usize {
+    std::fs::read_to_string(p).map_or(0, |s| s.len())
+}
+
+#[test]
+fn killing_the_leader_fails_over_and_the_map_goes_on() {
+    if !etcd_available() {
+        return;
+    }
+    let mut w = World::new("kill");
+    for i in 0..3 {
+        w.start_coordinator(i);
+    }
+    let all = [0, 1, 2];
+    w.wait_for("a leader", Duration::from_secs(30), |w| {
+        w.leader(&all).is_some()
+    });
+    w.start_node("node-a");
+    w.start_node("node-b");
+    w.wait_settled(w.leader(&all).expect("leader"), 2);
+    let reader = Reader::start(w.coordinator_list());
+    w.wait_for("the reader to read", Duration::from_secs(30), |_| {
+        reader.ok() > 20
+    });
+
+    let mut failover = Vec::new();
+    for round in 0..5 {
+        let old = w.leader(&all).expect("a leader");
+        let epoch_before = w.status(old).expect("status").epoch;
+        let others: Vec<usize> = all.iter().copied().filter(|&i| i != old).collect();
+        let t0 = Instant::now();
+        w.coords[old].kill9();
+        if round == 0 {
+            // A node joins while there is no leader.
+            w.start_node("node-c");
+        }
+        w.wait_for("a new leader", Duration::from_secs(30), |w| {
+            w.leader(&others).is_some()
+        });
+        let took = t0.elapsed();
+        failover.push(took.as_secs_f64());
+        let new = w.leader(&others).expect("new leader");
+        let st = w.status(new).expect("status");
+        assert!(
+            st.epoch >= epoch_before,
+            "the epoch went back across the failover: {} -> {}",
+            epoch_before,
+            st.epoch
+        );
+        assert_eq!(st.leader, format!("127.0.0.1:{}", w.coord_ports[new]));
+        if round == 0 {
+            let m = w.wait_settled(new, 3);
+            eprintln!(
+                "node-c, started with no leader, is serving at epoch {} {:.2} s after the kill",
+                m.epoch,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        eprintln!(
+            "round {round}: coordinator-{old} killed at epoch {epoch_before}; coordinator-{new} \
+             leads after {:.2} s at epoch {}",
+            took.as_secs_f64(),
+            st.epoch
+        );
+        w.start_coordinator(old);
+        w.wait_for(
+            "the restarted coordinator to follow",
+            Duration::from_secs(30),
+            |w| {
+                w.status(old).is_some_and(|s| {
+                    s.role() == CoordinatorRole::Follower && s.store_problem.is_empty()
+                })
+            },
+        );
+    }
+    let leader = w.leader(&all).expect("leader");
+    let map = w.wait_settled(leader, 3);
+    assert!(
+        map.owner.iter().all(|&o| o != 0),
+        "an extent is left unowned"
+    );
+    // Every coordinator serves the same map.
+    for i in all {
+        let m = w.map(i).expect("map");
+        assert_eq!(
+            (m.epoch, &m.owner),
+            (map.epoch, &map.owner),
+            "coordinator-{i}"
+        );
+    }
+    let (ok, errors, wrong) = reader.finish();
+    let h = w.history();
+    let per = check_history(&h);
+    assert_eq!(h.last().map(|(e, _)| *e), Some(map.epoch));
+    eprintln!(
+        "failover after kill -9 of the leader (etcd lease {TTL_S} s), 5 kills: median {:.2} s, \
+         all {:?}",
+        median(&mut failover.clone()),
+        failover
+            .iter()
+            .map(|t| format!("{t:.2}"))
+            .collect::<Vec<_>>()
+    );
+    eprintln!(
+        "epochs per leader (address, fence, epochs): {per:?}; reads verified {ok}, errors \
+         {errors}, wrong {wrong}"
+    );
+    assert_eq!(wrong, 0, "wrong reads");
+    assert!(ok > 0);
+}
+
+#[test]
+fn a_leader_paused_past_its_lease_never_publishes_again() {
+    if !etcd_available() {
+        return;
+    }
+    let mut w = World::new("pause");
+    for i in 0..3 {
+        w.start_coordinator(i);
+    }
+    let all = [0, 1, 2];
+    w.wait_for("a leader", Duration::from_secs(30), |w| {
+        w.leader(&all).is_some()
+    });
+    w.start_node("node-a");
+    w.start_node("node-b");
+    let old = w.leader(&all).expect("leader");
+    w.wait_settled(old, 2);
+    let old_fence = w.history().last().expect("an epoch").1.fence;
+    let reader = Reader::start(w.coordinator_list());
+
+    w.coords[old].signal("STOP");
+    let others: Vec<usize> = all.iter().copied().filter(|&i| i != old).collect();
+    let took = w.wait_for("a new leader", Duration::from_secs(30), |w| {
+        w.leader(&others).is_some()
+    });
+    let new = w.leader(&others).expect("new leader");
+    // The new leader publishes: node-b drains.
+    let drained_at = w
+        .drain(new, "node-b", false)
+        .expect("drain through the new leader");
+    let log_mark = since(&w.coords[old].log);
+    w.coords[old].signal("CONT");
+    // Give the old leader time to wake up and try.
+    std::thread::sleep(Duration::from_secs(3));
+    let st = w.status(old).expect("the old leader answers");
+    assert_ne!(
+        st.role(),
+        CoordinatorRole::Leader,
+        "the old leader still says it leads"
+    );
+    // A write through it goes to the new leader (or is refused naming it).
+    match w.drain(old, "node-b", true) {
+        Ok(_) => panic!("the old leader served a write"),
+        Err(s) => {
+            assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+            assert_eq!(
+                pagewire_proto::leader::leader_hint(&s).as_deref(),
+                Some(format!("127.0.0.1:{}", w.coord_ports[new]).as_str()),
+                "{s:?}"
+            );
+        }
+    }
+    let woke = w.coords[old].log_text()[log_mark..].to_owned();
+    assert!(
+        !woke.contains("new ownership map"),
+        "the old leader published after waking:\n{woke}"
+    );
+    let h = w.history();
+    let per = check_history(&h);
+    let new_fence = h
+        .iter()
+        .find(|(e, _)| *e == drained_at)
+        .expect("the drain's epoch")
+        .1
+        .fence;
+    assert!(new_fence > old_fence);
+    for (e, r) in &h {
+        if *e >= drained_at {
+            assert_eq!(
+                r.fence, new_fence,
+                "epoch {e} was written under fence {} (the old leader's is {old_fence})",
+                r.fence
+            );
+        }
+    }
+    let (ok, errors, wrong) = reader.finish();
+    eprintln!(
+        "SIGSTOP of the leader: coordinator-{new} led after {:.2} s; the old leader woke as \
+         {:?}; epochs per leader: {per:?}; reads verified {ok}, errors {errors}, wrong {wrong}",
+        took.as_secs_f64(),
+        st.role()
+    );
+    assert_eq!(wrong, 0, "wrong reads");
+}
+
+#[test]
+fn losing_etcd_quorum_stalls_map_changes_and_they_resume() {
+    if !etcd_available() {
+        return;
+    }
+    let mut w = World::new("quorum");
+    for i in 0..3 {
+        w.start_coordinator(i);
+    }
+    let all = [0, 1, 2];
+    w.wait_for("a leader", Duration::from_secs(30), |w| {
+        w.leader(&all).is_some()
+    });
+    w.start_node("node-a");
+    w.start_node("node-b");
+    w.wait_settled(w.leader(&all).expect("leader"), 2);
+    let reader = Reader::start(w.coordinator_list());
+    w.wait_for("the reader to read", Duration::from_secs(30), |_| {
+        reader.ok() > 20
+    });
+
+    // One member of three down: the coordinators keep working.
+    w.etcd[2].kill9();
+    let l = w.leader(&all).expect("leader");
+    let e1 = w
+        .drain(l, "node-b", false)
+        .expect("drain with one etcd member down");
+    let e2 = w
+        .drain(l, "node-b", true)
+        .expect("undrain with one etcd member down");
+    assert!(e2 > e1);
+    std::thread::sleep(Duration::from_secs(TTL_S + 1));
+    assert_eq!(
+        w.leader(&all),
+        Some(l),
+        "the leadership moved with one etcd member down"
+    );
+
+    // Two down: no quorum.
+    let epoch = w.status(l).expect("status").epoch;
+    let ok_before = reader.ok();
+    let t_lost = Instant::now();
+    w.etcd[1].kill9();
+    w.wait_for(
+        "every coordinator to report the store problem",
+        Duration::from_secs(30),
+        |w| {
+            all.iter().all(|&i| {
+                w.status(i).is_some_and(|s| {
+                    !s.store_problem.is_empty() && s.role() != CoordinatorRole::Leader
+                })
+            })
+        },
+    );
+    eprintln!(
+        "two etcd members down: every coordinator reported it after {:.2} s: {:?}",
+        t_lost.elapsed().as_secs_f64(),
+        w.status(0).map(|s| s.store_problem)
+    );
+    w.wait_for("the logs to say why", Duration::from_secs(30), |w| {
+        w.coords.iter().any(|c| log_has(c, "etcd does not answer"))
+    });
+    let mut refused = 0;
+    for _ in 0..5 {
+        for i in all {
+            match w.drain(i, "node-b", false) {
+                Ok(e) => panic!("a map change was published without quorum (epoch {e})"),
+                Err(s) => {
+                    assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+                    refused += 1;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    for i in all {
+        if let Some(s) = w.status(i) {
+            assert_eq!(
+                s.epoch, epoch,
+                "coordinator-{i} moved the epoch without quorum"
+            );
+        }
+    }
+    // The nodes keep serving the map they have.
+    let before = reader.ok();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        reader.ok() > before,
+        "the nodes stopped serving reads without etcd quorum"
+    );
+    let stalled_reads = reader.ok() - ok_before;
+
+    // A member comes back: a leader again, and map changes resume.
+    let t_back = Instant::now();
+    w.start_etcd(1);
+    w.wait_for(
+        "a leader after quorum returned",
+        Duration::from_secs(60),
+        |w| w.leader(&all).is_some(),
+    );
+    let leader_after = t_back.elapsed();
+    let l = w.leader(&all).expect("leader");
+    let mut changed = None;
+    w.wait_for("a map change to succeed", Duration::from_secs(30), |w| {
+        changed = w.drain(l, "node-b", false).ok();
+        changed.is_some()
+    });
+    let resumed = t_back.elapsed();
+    let stall = t_lost.elapsed();
+    assert!(changed.expect("epoch") > epoch);
+    w.drain(l, "node-b", true).expect("undrain");
+    let (ok, errors, wrong) = reader.finish();
+    let h = w.history();
+    let per = check_history(&h);
+    eprintln!(
+        "map changes stalled {:.2} s from the second etcd kill to the first change after a member \
+         returned ({refused} refused meanwhile, {stalled_reads} reads served); after it returned: \
+         a leader in {:.2} s, the first map change in {:.2} s; epochs per leader: {per:?}; reads \
+         verified {ok}, errors {errors}, wrong {wrong}",
+        stall.as_secs_f64(),
+        leader_after.as_secs_f64(),
+        resumed.as_secs_f64()
+    );
+    assert_eq!(wrong, 0, "wrong reads");
+}
