@@ -523,7 +523,7 @@ impl Reader {
                     rng ^= rng << 13;
                     rng ^= rng >> 7;
                     rng ^= rng << 17;
-                    if nodes.is_empty() || rng % 64 == 0 {
+                    if nodes.is_empty() || rng.is_multiple_of(64) {
                         for &p in &ports {
                             if let Some(mut c) = coord(p).await
                                 && let Ok(r) = c.list_nodes(ListNodesRequest {}).await
