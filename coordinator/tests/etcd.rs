@@ -296,6 +296,15 @@ impl World {
         }
     }
 
+    fn etcdctl(&self, args: &[&str]) -> std::process::Output {
+        Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg(format!("--endpoints={}", self.endpoints()))
+            .args(args)
+            .output()
+            .expect("run etcdctl")
+    }
+
     fn start_coordinator(&mut self, i: usize) {
         let log = self.path(&format!("coordinator-{i}.log"));
         let out = std::fs::OpenOptions::new()
@@ -693,6 +702,32 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
             },
         );
     }
+    // A leader stopped on purpose hands over at once: it revokes its lease.
+    let old = w.leader(&all).expect("a leader");
+    let others: Vec<usize> = all.iter().copied().filter(|&i| i != old).collect();
+    let t0 = Instant::now();
+    w.coords[old].signal("TERM");
+    w.wait_for("a leader after SIGTERM", Duration::from_secs(30), |w| {
+        w.leader(&others).is_some()
+    });
+    let handover = t0.elapsed();
+    assert!(
+        handover < Duration::from_secs(TTL_S),
+        "a SIGTERMed leader made the others wait out its lease ({handover:?})"
+    );
+    let status = w.coords[old]
+        .child
+        .as_mut()
+        .expect("running")
+        .wait()
+        .expect("wait");
+    assert!(status.success(), "SIGTERM exit: {status:?}");
+    w.coords[old].child = None;
+    eprintln!(
+        "SIGTERM of the leader: another led after {:.2} s",
+        handover.as_secs_f64()
+    );
+    w.start_coordinator(old);
     let leader = w.leader(&all).expect("leader");
     let map = w.wait_settled(leader, 3);
     assert!(
@@ -938,4 +973,61 @@ fn losing_etcd_quorum_stalls_map_changes_and_they_resume() {
         resumed.as_secs_f64()
     );
     assert_eq!(wrong, 0, "wrong reads");
+}
+
+#[test]
+fn etcd_with_authentication_needs_the_user_and_password() {
+    if !etcd_available() {
+        return;
+    }
+    let mut w = World::new("auth");
+    for args in [
+        &["user", "add", "root", "--new-user-password=root-secret"][..],
+        &["user", "add", "pagewire", "--new-user-password=pw-secret"][..],
+        &["role", "add", "pagewire"][..],
+        &[
+            "role",
+            "grant-permission",
+            "pagewire",
+            "--prefix=true",
+            "readwrite",
+            "/pagewire-test/",
+        ][..],
+        &["user", "grant-role", "pagewire", "pagewire"][..],
+        &["auth", "enable"][..],
+    ] {
+        let out = w.etcdctl(args);
+        assert!(out.status.success(), "etcdctl {args:?}: {out:?}");
+    }
+    // Without credentials: it cannot campaign, and says why.
+    w.start_coordinator(0);
+    w.wait_for("the refusal in the log", Duration::from_secs(30), |w| {
+        let log = w.coords[0].log_text();
+        log.contains("etcd does not answer") || log.contains("cannot connect to etcd")
+    });
+    assert!(
+        w.status(0)
+            .is_none_or(|s| s.role() != CoordinatorRole::Leader)
+    );
+    w.coords[0].kill9();
+    // With them: it leads, and a node registers.
+    std::fs::write(w.path("etcd-password"), "pw-secret\n").expect("password file");
+    let cfg = format!(
+        "[etcd]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\nrequest_timeout_ms = 1000\n\
+         username = \"pagewire\"\npassword_file = \"{}\"\n",
+        w.prefix,
+        w.path("etcd-password").display()
+    );
+    std::fs::write(w.path("coordinator.toml"), cfg).expect("config");
+    w.start_coordinator(0);
+    w.wait_for("a leader with credentials", Duration::from_secs(30), |w| {
+        w.leader(&[0]).is_some()
+    });
+    w.start_node("node-a");
+    let m = w.wait_settled(0, 1);
+    assert!(m.epoch >= 1);
+    eprintln!(
+        "etcd with authentication: led and published epoch {}",
+        m.epoch
+    );
 }

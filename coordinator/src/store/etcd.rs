@@ -235,7 +235,11 @@ impl EtcdStore {
             .with_keep_alive_while_idle(true)
             .with_require_leader(true);
         if let Some((u, p)) = &opts.user {
-            copts = copts.with_user(u.clone(), p.clone());
+            // etcd's tokens expire (5 minutes by default): get a new one
+            // when one does, rather than fail every request from then on.
+            copts = copts
+                .with_user(u.clone(), p.clone())
+                .with_auto_token_refresh(true);
         }
         let tls = opts.ca_file.is_some() || opts.cert_file.is_some();
         if tls {
