@@ -271,8 +271,17 @@ pub async fn run(
         None::<StartError>
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let stopping = shared.clone();
     let fatal = tokio::spawn(async move {
         let r = shutdown.await;
+        // Hand the leadership over first, at once rather than after the
+        // lease TTL: the server then waits for open streams (WatchMap) to
+        // end before it returns.
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = &stopping.etcd {
+            etcd.resign().await;
+        }
+        stopping.stopping.send_replace(true);
         let _ = stop_tx.send(());
         r
     });
@@ -282,11 +291,6 @@ pub async fn run(
             let _ = stop_rx.await;
         })
         .await;
-    // Hand the leadership over at once rather than after the lease TTL.
-    #[cfg(feature = "etcd")]
-    if let Some(etcd) = &shared.etcd {
-        etcd.resign().await;
-    }
     background.abort_all();
     result?;
     if let Ok(Some(e)) = fatal.await {

@@ -38,6 +38,8 @@ pub(crate) struct Shared {
     pub(crate) node_tls: Option<ClientTls>,
     pub(crate) node_timeout: Duration,
     clients: Mutex<HashMap<(u32, String), Client>>,
+    /// Set once the coordinator stops: ends every `WatchMap` stream.
+    pub(crate) stopping: tokio::sync::watch::Sender<bool>,
 }
 
 impl Shared {
@@ -59,6 +61,7 @@ impl Shared {
             node_tls,
             node_timeout,
             clients: Mutex::new(HashMap::new()),
+            stopping: tokio::sync::watch::Sender::new(false),
         }
     }
 
@@ -359,9 +362,18 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<MapStream>, Status> {
         let min = req.into_inner().min_epoch;
         let rx = self.shared.cluster().subscribe();
-        let stream = WatchStream::new(rx)
+        let maps = WatchStream::new(rx)
             .filter(move |m| m.epoch >= min)
-            .map(|m| Ok((*m).clone()));
+            .map(|m| Some((*m).clone()));
+        // Ends when the coordinator stops, so that a graceful shutdown
+        // does not wait for ever on streams that never end by themselves.
+        let stop = WatchStream::new(self.shared.stopping.subscribe())
+            .filter(|stopping| *stopping)
+            .map(|_| None);
+        let stream = maps
+            .merge(stop)
+            .take_while(Option::is_some)
+            .filter_map(|m| m.map(Ok));
         Ok(Response::new(Box::pin(stream)))
     }
 

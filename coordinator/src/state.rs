@@ -270,7 +270,11 @@ impl Cluster {
             from = %what,
             "state restored"
         );
-        self.publish_current();
+        // A state saved without a new epoch (a registration, a policy) may
+        // carry the same map: watchers get a map once.
+        if *self.map() != self.build_map() {
+            self.publish_current();
+        }
         Ok(())
     }
 

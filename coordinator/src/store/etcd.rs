@@ -173,6 +173,7 @@ pub(crate) struct EtcdStore {
     /// Leases of ended sessions that etcd did not revoke yet.
     stale_leases: Mutex<Vec<i64>>,
     session_lease: Mutex<Option<i64>>,
+    peers_cache: Mutex<Option<(Instant, Vec<String>)>>,
     /// Ends the current session (a fenced-off or unanswered save).
     end_session: Notify,
     ttl: Duration,
@@ -297,6 +298,7 @@ impl EtcdStore {
             fence: Mutex::new(None),
             stale_leases: Mutex::new(Vec::new()),
             session_lease: Mutex::new(None),
+            peers_cache: Mutex::new(None),
             end_session: Notify::new(),
             ttl: secs(opts.lease_ttl_s),
             timeout: opts.request_timeout,
@@ -571,6 +573,24 @@ impl EtcdStore {
                 // step down): give it up and campaign afresh.
                 return "the leader key of this session was still held".into();
             }
+            let ours = self
+                .stale_leases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&holder_lease);
+            if ours
+                && self
+                    .call(move |mut c| async move { c.lease_revoke(holder_lease).await })
+                    .await
+                    .is_ok()
+            {
+                // An earlier session of ours still held it: freed now.
+                self.stale_leases
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|&l| l != holder_lease);
+                continue;
+            }
             let news = self.ha.leader().as_deref() != Some(leader.as_str());
             self.ha.follow(Some(leader.clone()));
             if news {
@@ -626,67 +646,61 @@ impl EtcdStore {
     }
 
     /// Waits until the leader key created at `created` is deleted or
-    /// replaced (`None`), or the session must end (`Some(why)`).
+    /// replaced (`None`), or the session must end (`Some(why)`). `seen` is
+    /// a revision at which it was still that key.
     async fn wait_key_gone(&self, created: i64, seen: i64) -> Option<String> {
+        let ended = || Some("asked to end the session".to_owned());
         let mut from = seen + 1;
         loop {
-            let k = self.keys.leader.clone();
-            let opts = WatchOptions::new().with_start_revision(from);
+            let (k, opts) = (
+                self.keys.leader.clone(),
+                WatchOptions::new().with_start_revision(from),
+            );
             let watch = self.call(move |mut c| {
                 let (k, opts) = (k.clone(), opts.clone());
                 async move { c.watch(k, Some(opts)).await }
             });
-            let mut stream = tokio::select! {
-                w = watch => match w {
-                    Ok(s) => s,
-                    Err(_) => {
-                        // Is the key still the one we watch?
-                        match self.leader_key_created().await {
-                            Ok(Some(c)) if c == created => {
-                                tokio::select! {
-                                    () = tokio::time::sleep(Duration::from_millis(200)) => continue,
-                                    () = self.end_session.notified() => return Some("asked to end the session".into()),
-                                }
-                            }
-                            Ok(_) => return None,
-                            Err(_) => {
-                                tokio::select! {
-                                    () = tokio::time::sleep(Duration::from_millis(200)) => continue,
-                                    () = self.end_session.notified() => return Some("asked to end the session".into()),
-                                }
-                            }
-                        }
-                    }
-                },
-                () = self.end_session.notified() => return Some("asked to end the session".into()),
+            let opened = tokio::select! {
+                w = watch => w.ok(),
+                () = self.end_session.notified() => return ended(),
             };
-            loop {
-                let msg = tokio::select! {
-                    m = stream.message() => m,
-                    () = self.end_session.notified() => return Some("asked to end the session".into()),
-                };
-                match msg {
-                    Ok(Some(resp)) => {
-                        if resp.canceled() {
-                            break;
-                        }
-                        for ev in resp.events() {
-                            let Some(kv) = ev.kv() else { continue };
-                            from = from.max(kv.mod_revision() + 1);
-                            let gone = ev.event_type() == EventType::Delete
-                                || kv.create_revision() != created;
-                            if gone {
-                                return None;
-                            }
+            if let Some(mut stream) = opened {
+                loop {
+                    let msg = tokio::select! {
+                        m = stream.message() => m,
+                        () = self.end_session.notified() => return ended(),
+                    };
+                    let Ok(Some(resp)) = msg else { break };
+                    if resp.canceled() {
+                        break;
+                    }
+                    for ev in resp.events() {
+                        let Some(kv) = ev.kv() else { continue };
+                        from = from.max(kv.mod_revision() + 1);
+                        if ev.event_type() == EventType::Delete || kv.create_revision() != created {
+                            return None;
                         }
                     }
-                    Ok(None) | Err(_) => break,
                 }
+            }
+            // The watch could not be opened, broke or was cancelled (a
+            // compacted start revision): is the key still the one we watch?
+            // Then watch again from the revision of that answer.
+            match self.leader_key_created().await {
+                Ok((Some(c), rev)) if c == created => from = from.max(rev + 1),
+                Ok(_) => return None,
+                Err(_) => {}
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                () = self.end_session.notified() => return ended(),
             }
         }
     }
 
-    async fn leader_key_created(&self) -> Result<Option<i64>, String> {
+    /// The leader key's create revision (`None`: no leader key) and the
+    /// revision of the answer.
+    async fn leader_key_created(&self) -> Result<(Option<i64>, i64), String> {
         let k = self.keys.leader.clone();
         let r = self
             .call(move |mut c| {
@@ -694,7 +708,10 @@ impl EtcdStore {
                 async move { c.get(k, None).await }
             })
             .await?;
-        Ok(r.kvs().first().map(|kv| kv.create_revision()))
+        Ok((
+            r.kvs().first().map(|kv| kv.create_revision()),
+            r.header().map_or(0, |h| h.revision()),
+        ))
     }
 
     /// Hands every state etcd holds to the service, for ever.
@@ -784,8 +801,17 @@ impl EtcdStore {
         Ok(())
     }
 
-    /// The addresses of every running coordinator.
+    /// The addresses of every running coordinator (read at most once a
+    /// second: every reader's `Status` poll asks).
     pub(crate) async fn peers(&self) -> Result<Vec<String>, String> {
+        {
+            let cache = self.peers_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((at, peers)) = &*cache
+                && at.elapsed() < Duration::from_secs(1)
+            {
+                return Ok(peers.clone());
+            }
+        }
         let k = self.keys.coordinators.clone();
         let r = self
             .call(move |mut c| {
@@ -793,10 +819,14 @@ impl EtcdStore {
                 async move { c.get(k, Some(GetOptions::new().with_prefix())).await }
             })
             .await?;
-        Ok(r.kvs()
+        let peers: Vec<String> = r
+            .kvs()
             .iter()
             .filter_map(|kv| kv.value_str().ok().map(str::to_owned))
-            .collect())
+            .collect();
+        *self.peers_cache.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Instant::now(), peers.clone()));
+        Ok(peers)
     }
 
     /// On shutdown: stop leading and give the lease back, so another
@@ -1034,7 +1064,7 @@ pub async fn epoch_history(
     prefix: &str,
 ) -> Result<Vec<(u64, EpochRecord)>, String> {
     let keys = Keys::new(prefix);
-    let mut c = Client::connect(
+    let c = Client::connect(
         endpoints
             .iter()
             .map(|e| format!("http://{e}"))
@@ -1043,10 +1073,16 @@ pub async fn epoch_history(
     )
     .await
     .map_err(|e| short(&e))?;
-    let r = c
-        .get(keys.epochs.clone(), Some(GetOptions::new().with_prefix()))
-        .await
-        .map_err(|e| short(&e))?;
+    let prefix = keys.epochs.clone();
+    let r = retrying(
+        c,
+        move |mut c| {
+            let k = prefix.clone();
+            async move { c.get(k, Some(GetOptions::new().with_prefix())).await }
+        },
+        Duration::from_secs(10),
+    )
+    .await?;
     let mut out = Vec::new();
     for kv in r.kvs() {
         let k = kv.key_str().map_err(|e| short(&e))?;
