@@ -6,7 +6,10 @@
 //! by an epoch, streams it to nodes and readers, moves extents on join, leave,
 //! failure and drain without a gap ([`state`] explains how), forwards
 //! cluster-wide warm/evict to owners, pushes admission/eviction policy, and
-//! persists its state atomically ([`persist`]). Data never flows through it.
+//! saves its state before publishing it ([`store`]: the state file, written
+//! atomically by `persist`, or etcd, where several coordinators elect one
+//! leader and every save is fenced on that leadership). Data never flows
+//! through it.
 //!
 //! It depends on `pagewire-proto` only: never on the node, the transports or
 //! the bench. The `pwctl` admin CLI lives here too (`src/bin/pwctl/`).
