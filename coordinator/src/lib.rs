@@ -2,7 +2,7 @@
 //! who owns which extent of the file.
 //!
 //! It keeps membership (registration, heartbeats, leases), computes the
-//! ownership map by weighted rendezvous hashing ([`rendezvous`]), numbers it
+//! ownership map by weighted rendezvous hashing (`pagewire_proto::rendezvous`), numbers it
 //! by an epoch, streams it to nodes and readers, moves extents on join, leave,
 //! failure and drain without a gap ([`state`] explains how), forwards
 //! cluster-wide warm/evict to owners, pushes admission/eviction policy, and
@@ -16,7 +16,6 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 mod persist;
-mod rendezvous;
 pub mod service;
 mod state;
 

@@ -288,19 +288,47 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<WatchMapRequest>,
     ) -> Result<Response<MapStream>, Status> {
-        let min = req.into_inner().min_epoch;
+        let req = req.into_inner();
+        let min = req.min_epoch;
         let rx = self.shared.cluster().subscribe();
-        let stream = WatchStream::new(rx)
-            .filter(move |m| m.epoch >= min)
-            .map(|m| Ok((*m).clone()));
+        let stream = WatchStream::new(rx).filter(move |p| p.map.epoch >= min);
+        if !req.compact {
+            return Ok(Response::new(Box::pin(
+                stream.map(|p| Ok((*p.map).clone())),
+            )));
+        }
+        // A full compact map first, then deltas on the one sent before (the
+        // watch channel may skip epochs: then the delta spans them).
+        let mut sent: Option<Arc<pagewire_proto::v1::CompactMap>> = None;
+        let stream = stream.map(move |p| {
+            let compact = match &sent {
+                None => (*p.compact).clone(),
+                Some(prev) => match &p.delta {
+                    Some(d) if d.base_epoch == prev.epoch => (**d).clone(),
+                    _ => pagewire_proto::map::delta(prev, &p.compact),
+                },
+            };
+            sent = Some(p.compact.clone());
+            Ok(OwnershipMap {
+                epoch: p.map.epoch,
+                compact: Some(compact),
+                ..Default::default()
+            })
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn get_map(
-        &self,
-        _req: Request<GetMapRequest>,
-    ) -> Result<Response<OwnershipMap>, Status> {
-        Ok(Response::new((*self.shared.cluster().map()).clone()))
+    async fn get_map(&self, req: Request<GetMapRequest>) -> Result<Response<OwnershipMap>, Status> {
+        let cluster = self.shared.cluster();
+        if req.into_inner().compact {
+            let compact = cluster.compact_map();
+            return Ok(Response::new(OwnershipMap {
+                epoch: compact.epoch,
+                compact: Some((*compact).clone()),
+                ..Default::default()
+            }));
+        }
+        Ok(Response::new((*cluster.map()).clone()))
     }
 
     async fn list_nodes(

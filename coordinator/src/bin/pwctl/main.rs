@@ -286,6 +286,12 @@ fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
     r
 }
 
+/// The expanded view of a `GetMap` answer: a compact map is expanded here
+/// with the shared code; an expanded one (older coordinator) passes as is.
+fn expand_map(map: OwnershipMap) -> anyhow::Result<OwnershipMap> {
+    Ok(pagewire_proto::map::MapFollower::new().apply(map)?)
+}
+
 fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
     CallFailed {
         what: what.to_owned(),
@@ -453,10 +459,11 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         Cmd::Map { extents } => {
             let map = c
-                .get_map(req(&ctx, GetMapRequest {}))
+                .get_map(req(&ctx, GetMapRequest { compact: true }))
                 .await
                 .map_err(|e| status_err("map", e))?
                 .into_inner();
+            let map = expand_map(map)?;
             let nodes = list_nodes(&mut c, &ctx).await?;
             print_map(&map, &nodes, *extents, ctx.json);
             Ok(true)
@@ -512,10 +519,11 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             let done = *wait == 0 || state == NodeState::Drained;
             if !done {
                 let map = c
-                    .get_map(req(&ctx, GetMapRequest {}))
+                    .get_map(req(&ctx, GetMapRequest { compact: true }))
                     .await
                     .map_err(|e| status_err("map", e))?
                     .into_inner();
+                let map = expand_map(map)?;
                 let nodes = list_nodes(&mut c, &ctx).await?;
                 eprintln!(
                     "pwctl: gave up after {wait} s: {}",
