@@ -132,6 +132,9 @@ pub(crate) struct Cluster {
     desc: MapDesc,
     compact: Arc<CompactMap>,
     expander: Expander,
+    /// The new and the previous owners of the handoff at this epoch (so a
+    /// heartbeat does not scan the extents): (epoch, new, previous).
+    handoff_nodes: Option<(u64, Vec<u32>, Vec<u32>)>,
     policy: Policy,
     map_tx: watch::Sender<Arc<Published>>,
     metrics: Arc<Metrics>,
@@ -305,6 +308,7 @@ impl Cluster {
             desc: MapDesc::empty(0),
             compact: Arc::default(),
             expander: Expander::new(12),
+            handoff_nodes: None,
             policy: config_policy,
             map_tx,
             metrics,
@@ -871,23 +875,38 @@ impl Cluster {
         if self.previous.is_empty() {
             return Ok(());
         }
-        let new_owners: HashSet<u32> = self
-            .owner
-            .iter()
-            .zip(&self.previous)
-            .filter(|(_, p)| **p != 0)
-            .map(|(o, _)| *o)
-            .collect();
-        let previous: HashSet<u32> = self.previous.iter().copied().filter(|&p| p != 0).collect();
+        if self
+            .handoff_nodes
+            .as_ref()
+            .is_none_or(|h| h.0 != self.epoch)
+        {
+            let new_owners: BTreeSet<u32> = self
+                .owner
+                .iter()
+                .zip(&self.previous)
+                .filter(|(_, p)| **p != 0)
+                .map(|(o, _)| *o)
+                .collect();
+            let previous: BTreeSet<u32> =
+                self.previous.iter().copied().filter(|&p| p != 0).collect();
+            self.handoff_nodes = Some((
+                self.epoch,
+                new_owners.into_iter().collect(),
+                previous.into_iter().collect(),
+            ));
+        }
+        let (_, new_owners, previous) = self.handoff_nodes.as_ref().expect("set above");
+        let by_index: HashMap<u32, &Member> =
+            self.members.values().map(|m| (m.info.index, m)).collect();
         let applied = |idx: u32| {
-            self.members
-                .values()
-                .any(|m| m.info.index == idx && m.info.applied_epoch >= self.epoch)
+            by_index
+                .get(&idx)
+                .is_some_and(|m| m.info.applied_epoch >= self.epoch)
         };
         let holds = |idx: u32| {
-            self.members
-                .values()
-                .any(|m| m.info.index == idx && holds_lease(m.info.state()))
+            by_index
+                .get(&idx)
+                .is_some_and(|m| holds_lease(m.info.state()))
         };
         let ready = new_owners.iter().all(|&i| applied(i))
             && previous.iter().all(|&i| !holds(i) || applied(i));
@@ -1913,5 +1932,87 @@ mod tests {
         // Saved as format 2 now.
         let bytes = std::fs::read(dir.path().join("state")).unwrap();
         assert_eq!(u32::from_le_bytes(bytes[4..8].try_into().unwrap()), 2);
+    }
+
+    /// proto/testdata/rendezvous-vectors.json, through the coordinator's own
+    /// path: members in state Alive with their capacities, a rebalance, the
+    /// owners it commits (and the compact map they expand from).
+    #[test]
+    fn the_rendezvous_test_vectors_hold_on_the_coordinator() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../proto/testdata/rendezvous-vectors.json"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let sets = v["sets"].as_array().unwrap();
+        assert!(sets.len() >= 5);
+        for s in sets {
+            let name = s["name"].as_str().unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let mut c = open(dir.path());
+            c.file_size = s["extent_count"].as_u64().unwrap() * c.params.extent_size;
+            for (k, cand) in s["candidates"].as_array().unwrap().iter().enumerate() {
+                let id = cand["node_id"].as_str().unwrap().to_owned();
+                let info = NodeInfo {
+                    node_id: id.clone(),
+                    index: cand["index"].as_u64().unwrap() as u32,
+                    capacity_bytes: cand["weight"].as_u64().unwrap(),
+                    // A member that is not alive is no candidate.
+                    state: NodeState::Alive.into(),
+                    ..Default::default()
+                };
+                c.members.insert(
+                    id,
+                    Member {
+                        info,
+                        lease_deadline: None,
+                    },
+                );
+                // A dead bystander changes nothing.
+                if k == 0 {
+                    let info = NodeInfo {
+                        node_id: "bystander".into(),
+                        index: 999_999,
+                        capacity_bytes: 1 << 40,
+                        state: NodeState::Dead.into(),
+                        ..Default::default()
+                    };
+                    c.members.insert(
+                        "bystander".into(),
+                        Member {
+                            info,
+                            lease_deadline: None,
+                        },
+                    );
+                }
+            }
+            c.rebalance("test vectors").unwrap();
+            let owners = if c.owner.is_empty() {
+                vec![0; s["extent_count"].as_u64().unwrap() as usize]
+            } else {
+                c.owner.clone()
+            };
+            let bytes: Vec<u8> = owners.iter().flat_map(|o| o.to_le_bytes()).collect();
+            let want = u64::from_str_radix(
+                s["owners_fnv1a64"]
+                    .as_str()
+                    .unwrap()
+                    .trim_start_matches("0x"),
+                16,
+            )
+            .unwrap();
+            assert_eq!(pagewire_proto::rendezvous::fnv1a(&bytes), want, "{name}");
+            for x in s["expect"].as_array().unwrap() {
+                let e = x["extent"].as_u64().unwrap() as usize;
+                assert_eq!(
+                    u64::from(owners[e]),
+                    x["owner"].as_u64().unwrap(),
+                    "{name}: {e}"
+                );
+            }
+            let m = Expander::default().expand(&c.compact_map()).unwrap();
+            assert_eq!(m.owner, c.owner, "{name}: compact");
+        }
     }
 }

@@ -565,3 +565,267 @@ impl MapFollower {
         self.current = None;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::v1::{CandidateSet, Layer, ReleaseGroup};
+
+    fn node(index: u32, state: NodeState, weight: u64) -> MapNode {
+        MapNode {
+            index,
+            node_id: format!("n{index}"),
+            state: state.into(),
+            weight,
+            ..Default::default()
+        }
+    }
+
+    fn set(id: u64) -> CandidateSet {
+        CandidateSet {
+            id,
+            ..Default::default()
+        }
+    }
+
+    /// Three alive nodes, then a fourth joins: the handoff layer names the
+    /// old owner set, and the arrays are what the definitions say.
+    fn joined() -> CompactMap {
+        CompactMap {
+            epoch: 5,
+            file_size: 1000 * 4096,
+            extent_size: 4096,
+            page_size: 4096,
+            nodes: (1..=4)
+                .map(|i| node(i, NodeState::Alive, 1 << 30))
+                .collect(),
+            sets: vec![
+                set(5),
+                CandidateSet {
+                    id: 4,
+                    remove: vec![4],
+                    add: vec![],
+                },
+            ],
+            owner_set: 5,
+            handoff: vec![Layer {
+                set: 4,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn ids() -> Vec<String> {
+        (1..=4).map(|i| format!("n{i}")).collect()
+    }
+
+    fn cands(ids: &[String], n: usize) -> Vec<RvCandidate<'_>> {
+        (0..n)
+            .map(|k| RvCandidate {
+                index: k as u32 + 1,
+                node_id: &ids[k],
+                weight: 1 << 30,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_join_expands_to_a_handoff_from_the_old_owners() {
+        let ids = ids();
+        let m = Expander::default().expand(&joined()).unwrap();
+        let before = rendezvous::assign(1000, &cands(&ids, 3));
+        let after = rendezvous::assign(1000, &cands(&ids, 4));
+        assert_eq!(m.owner, after);
+        let want: Vec<u32> = before
+            .iter()
+            .zip(&after)
+            .map(|(&b, &a)| if a == b { 0 } else { b })
+            .collect();
+        assert!(want.iter().any(|&p| p != 0));
+        assert_eq!(m.previous_owner, want);
+        assert!(m.released_by.is_empty());
+        // The handoff ends: the old owners released what moved.
+        let mut done = joined();
+        done.epoch = 6;
+        done.handoff.clear();
+        done.releases = vec![ReleaseGroup {
+            layers: vec![Layer {
+                set: 4,
+                ..Default::default()
+            }],
+            dropped_by: vec![5],
+            released_at: 6,
+            ..Default::default()
+        }];
+        let m = Expander::default().expand(&done).unwrap();
+        assert!(m.previous_owner.is_empty());
+        assert_eq!(m.released_by, want);
+        // Node 2 applied the release: its entries go.
+        done.releases[0].except = vec![2];
+        let m = Expander::default().expand(&done).unwrap();
+        let want2: Vec<u32> = want.iter().map(|&r| if r == 2 { 0 } else { r }).collect();
+        assert_eq!(m.released_by, want2);
+    }
+
+    #[test]
+    fn resume_skips_to_the_named_layer_and_overrides_apply_last() {
+        let ids = ids();
+        // Layer 0: {1,2,3} with 1 excepted, resuming at layer 2 ({1,2}).
+        let mut cm = joined();
+        cm.sets.push(CandidateSet {
+            id: 3,
+            remove: vec![3, 4],
+            add: vec![],
+        });
+        cm.handoff = vec![
+            Layer {
+                set: 4,
+                except: vec![1],
+                resume: vec![2],
+            },
+            Layer {
+                set: 5,
+                ..Default::default()
+            },
+            Layer {
+                set: 3,
+                ..Default::default()
+            },
+        ];
+        cm.overrides = Some(SparseOverrides {
+            owner_extent: vec![7],
+            owner_node: vec![3],
+            ..Default::default()
+        });
+        let m = Expander::default().expand(&cm).unwrap();
+        let s4 = rendezvous::assign(1000, &cands(&ids, 3));
+        let s5 = rendezvous::assign(1000, &cands(&ids, 4));
+        let s3 = rendezvous::assign(1000, &cands(&ids, 2));
+        let mut owner = s5.clone();
+        owner[7] = 3;
+        assert_eq!(m.owner, owner);
+        for i in 0..1000 {
+            let v = if s4[i] == 1 { s3[i] } else { s4[i] };
+            // The override changes the owner, not the rule's previous
+            // owner (computed against the rule's owner).
+            let want = if v == s5[i] { 0 } else { v };
+            assert_eq!(
+                m.previous_owner.get(i).copied().unwrap_or(0),
+                want,
+                "extent {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn deltas_apply_in_order_and_are_refused_on_another_base() {
+        let base = joined();
+        let mut next = joined();
+        next.epoch = 6;
+        next.nodes[1].state = NodeState::Draining.into();
+        next.nodes.push(node(9, NodeState::Dead, 1));
+        let d = delta(&base, &next);
+        assert_eq!(d.base_epoch, 5);
+        assert_eq!(d.nodes.len(), 2, "only what changed travels");
+        assert_eq!(apply_delta(&base, &d).unwrap(), next);
+        let mut f = MapFollower::new();
+        let wrap = |c: CompactMap| OwnershipMap {
+            epoch: c.epoch,
+            compact: Some(c),
+            ..Default::default()
+        };
+        assert!(matches!(
+            f.apply(wrap(d.clone())),
+            Err(MapError::WrongBase { held: None, .. })
+        ));
+        f.apply(wrap(base.clone())).unwrap();
+        let got = f.apply(wrap(d.clone())).unwrap();
+        assert_eq!(got, Expander::default().expand(&next).unwrap());
+        assert!(matches!(
+            f.apply(wrap(d)),
+            Err(MapError::WrongBase {
+                base: 5,
+                held: Some(6)
+            })
+        ));
+        // An expanded map (an older coordinator) passes as it is.
+        let plain = OwnershipMap {
+            epoch: 9,
+            owner: vec![1, 2],
+            ..Default::default()
+        };
+        assert_eq!(f.apply(plain.clone()).unwrap(), plain);
+    }
+
+    #[test]
+    fn malformed_maps_are_errors_not_panics() {
+        let bad = |f: &dyn Fn(&mut CompactMap)| {
+            let mut cm = joined();
+            f(&mut cm);
+            Expander::default().expand(&cm)
+        };
+        assert!(bad(&|c| c.owner_set = 77).is_err());
+        assert!(bad(&|c| c.handoff[0].set = 77).is_err());
+        assert!(bad(&|c| c.sets.push(set(5))).is_err());
+        assert!(
+            bad(&|c| c.sets[0].add.push(Candidate {
+                index: 42,
+                weight: 1
+            }))
+            .is_err()
+        );
+        assert!(bad(&|c| c.file_size = u64::MAX).is_err());
+        assert!(bad(&|c| c.base_epoch = 3).is_err());
+        assert!(
+            bad(&|c| {
+                c.overrides = Some(SparseOverrides {
+                    owner_extent: vec![1000],
+                    owner_node: vec![1],
+                    ..Default::default()
+                })
+            })
+            .is_err()
+        );
+        assert!(
+            bad(&|c| {
+                c.overrides = Some(SparseOverrides {
+                    owner_extent: vec![1, 2],
+                    owner_node: vec![1],
+                    ..Default::default()
+                })
+            })
+            .is_err()
+        );
+        // A resume pointing backwards or past the end still ends.
+        assert!(
+            bad(&|c| {
+                c.handoff[0].except = vec![1, 2, 3];
+                c.handoff[0].resume = vec![0, 99];
+            })
+            .is_ok()
+        );
+        assert!(bad(&|c| c.extent_size = 0).is_ok());
+    }
+
+    #[test]
+    fn the_expander_derives_a_one_member_change_incrementally() {
+        let mut e = Expander::default();
+        let cm = joined();
+        e.expand(&cm).unwrap();
+        let full = e.full_computations;
+        assert!(full >= 1);
+        // A fifth node joins: derived from the cached 4-node array.
+        let mut next = joined();
+        next.epoch = 6;
+        next.nodes.push(node(5, NodeState::Alive, 1 << 29));
+        next.sets = vec![set(6), set(5)];
+        next.sets[1].remove = vec![5];
+        next.owner_set = 6;
+        next.handoff[0].set = 5;
+        let m = e.expand(&next).unwrap();
+        assert_eq!(e.full_computations, full, "no full recount");
+        assert!(e.incremental_computations >= 1);
+        assert_eq!(m, Expander::default().expand(&next).unwrap());
+    }
+}

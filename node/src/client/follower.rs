@@ -155,6 +155,8 @@ struct Coordinator {
     >,
     /// The coordinator's uptime at the last poll (a smaller one: it restarted).
     uptime_ms: u64,
+    /// Expands compact maps, keeping the last owner arrays.
+    expander: pagewire_proto::map::Expander,
 }
 
 impl Coordinator {
@@ -198,7 +200,18 @@ impl Coordinator {
                 });
             }
             let sent = Instant::now();
-            let map = self.timed("GetMap", c.get_map(GetMapRequest {})).await?;
+            let map = self
+                .timed("GetMap", c.get_map(GetMapRequest { compact: true }))
+                .await?;
+            // A compact map, expanded here with the shared code (an older
+            // coordinator's expanded one passes as it is).
+            let map = match map.compact {
+                Some(cm) => self
+                    .expander
+                    .expand(&cm)
+                    .map_err(|e| format!("GetMap: {e}"))?,
+                None => map,
+            };
             Ok(Confirmed {
                 map: Some(map),
                 sent,
@@ -240,6 +253,7 @@ impl MapFollower {
             cfg: cfg.clone(),
             client: None,
             uptime_ms: 0,
+            expander: Default::default(),
         };
         let first = rt
             .block_on(coord.poll(None))
