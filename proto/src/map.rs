@@ -128,9 +128,15 @@ fn malformed(map: &CompactMap, reason: String) -> MapError {
     }
 }
 
+/// A set as the cache knows it: (index, weight, hash seed).
+type Key = Vec<(u32, u64, u64)>;
+
+/// A layer ready to scan: its set's owners and its skips (node → resume).
+type ResolvedLayer = (Arc<Vec<u32>>, HashMap<u32, usize>);
+
 /// One cached owner array.
 struct Cached {
-    key: Vec<(u32, u64, u64)>,
+    key: Key,
     extents: u64,
     owners: Arc<Vec<u32>>,
 }
@@ -164,7 +170,7 @@ impl Expander {
     /// Owners of `extents` extents under `set`, whose nodes hash by the ids
     /// in `ids`.
     pub fn owners(&mut self, set: &Set, ids: &HashMap<u32, &str>, extents: u64) -> Arc<Vec<u32>> {
-        let key: Vec<(u32, u64, u64)> = set
+        let key: Key = set
             .iter()
             .map(|&(i, w)| {
                 let seed = rendezvous::fnv1a(ids.get(&i).copied().unwrap_or("").as_bytes());
@@ -181,9 +187,7 @@ impl Expander {
             self.cache.push(c);
             return owners;
         }
-        let cands = |k: &[(u32, u64, u64)]| -> Vec<(u32, u64)> {
-            k.iter().map(|&(i, w, _)| (i, w)).collect()
-        };
+        let cands = |k: &[(u32, u64, u64)]| -> Set { k.iter().map(|&(i, w, _)| (i, w)).collect() };
         let to_rv = |s: &[(u32, u64)]| -> Vec<RvCandidate<'_>> {
             s.iter()
                 .map(|&(index, weight)| RvCandidate {
@@ -194,7 +198,7 @@ impl Expander {
                 .collect()
         };
         // The cached array closest to `set`: at most two candidates apart.
-        let mut best: Option<(usize, Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>)> = None;
+        let mut best: Option<(usize, Key, Key)> = None;
         for (pos, c) in self.cache.iter().enumerate() {
             if c.extents != extents {
                 continue;
@@ -299,16 +303,12 @@ impl Expander {
                 })
                 .collect()
         };
-        let handoff: Vec<(Arc<Vec<u32>>, HashMap<u32, usize>)> = map
+        let handoff: Vec<ResolvedLayer> = map
             .handoff
             .iter()
             .map(|l| Ok((get(l.set, "a handoff layer")?, skips(l))))
             .collect::<Result<_, MapError>>()?;
-        type Group = (
-            Vec<(Arc<Vec<u32>>, HashMap<u32, usize>)>,
-            BTreeSet<u32>,
-            Vec<Arc<Vec<u32>>>,
-        );
+        type Group = (Vec<ResolvedLayer>, BTreeSet<u32>, Vec<Arc<Vec<u32>>>);
         let groups: Vec<Group> = map
             .releases
             .iter()
@@ -326,7 +326,7 @@ impl Expander {
                 Ok((layers, g.except.iter().copied().collect(), dropped))
             })
             .collect::<Result<_, MapError>>()?;
-        let hit = |layers: &[(Arc<Vec<u32>>, HashMap<u32, usize>)], i: usize| -> (u32, usize) {
+        let hit = |layers: &[ResolvedLayer], i: usize| -> (u32, usize) {
             let mut k = 0;
             while let Some((o, except)) = layers.get(k) {
                 let v = o[i];
