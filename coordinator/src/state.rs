@@ -93,6 +93,9 @@ struct GroupDesc {
     /// The epoch that released these extents (entries of a node that
     /// applied it go at the next commit).
     at: u64,
+    /// The nodes it gave as `released_by` at the last expansion (None: not
+    /// known yet): only they need `except` entries.
+    gave: Option<BTreeSet<u32>>,
 }
 
 /// How the map's arrays came about (see "The compact map" above).
@@ -175,6 +178,7 @@ impl MapDesc {
                     except: g.except.iter().copied().collect(),
                     dropped_by: g.dropped_by.clone(),
                     at: cm.epoch,
+                    gave: None,
                 })
                 .collect(),
         })
@@ -497,6 +501,9 @@ impl Cluster {
         // Drop the release groups that give no value: that changes none.
         // (Layers stay: a resume names its target by position.)
         let d = &mut self.desc;
+        for (g, gave) in d.groups.iter_mut().zip(&arrays.group_values) {
+            g.gave = Some(gave.clone());
+        }
         let mut g = 0;
         d.groups.retain(|_| {
             g += 1;
@@ -602,16 +609,20 @@ impl Cluster {
             except: BTreeSet::new(),
             dropped_by: vec![d.owner_set],
             at: self.epoch + 1,
+            gave: None,
         });
         // Older releases stay while their node holds a lease and has not
         // applied the epoch that released them.
         for g in &old.groups {
             let mut g = g.clone();
-            let named: BTreeSet<u32> = g
-                .layers
-                .iter()
-                .flat_map(|l| old.sets.get(&l.set).into_iter().flatten().map(|&(i, _)| i))
-                .collect();
+            let named: BTreeSet<u32> = match &g.gave {
+                Some(gave) => gave.clone(),
+                None => g
+                    .layers
+                    .iter()
+                    .flat_map(|l| old.sets.get(&l.set).into_iter().flatten().map(|&(i, _)| i))
+                    .collect(),
+            };
             for i in named {
                 if !serving.contains(&i) || applied.get(&i).is_some_and(|&a| a >= g.at) {
                     g.except.insert(i);

@@ -345,6 +345,7 @@ impl Expander {
         let mut released = vec![0u32; n];
         let mut handoff_hits = vec![0u64; handoff.len()];
         let mut group_hits = vec![0u64; groups.len()];
+        let mut group_values = vec![BTreeSet::new(); groups.len()];
         let mut release_layer_hits: Vec<Vec<u64>> =
             groups.iter().map(|(l, _, _)| vec![0; l.len()]).collect();
         for i in 0..n {
@@ -369,6 +370,7 @@ impl Expander {
                 {
                     released[i] = v;
                     group_hits[g] += 1;
+                    group_values[g].insert(v);
                     break;
                 }
             }
@@ -407,6 +409,7 @@ impl Expander {
             predicted_released: predicted.2,
             handoff_hits,
             group_hits,
+            group_values,
             release_layer_hits,
         })
     }
@@ -427,6 +430,8 @@ pub struct Arrays {
     pub handoff_hits: Vec<u64>,
     /// Per release group: extents it gave `released_by` for.
     pub group_hits: Vec<u64>,
+    /// Per release group: the nodes it gave as `released_by`.
+    pub group_values: Vec<BTreeSet<u32>>,
     /// Per release group and layer: extents that layer was the hit of.
     pub release_layer_hits: Vec<Vec<u64>>,
 }
