@@ -10,6 +10,7 @@ mod bytes;
 mod insert;
 mod local;
 mod machine;
+mod mapscale;
 mod plot;
 mod policy;
 mod remote;
@@ -54,6 +55,11 @@ enum Cmd {
     /// The whole system in one command: a 3-node cluster on loopback, a
     /// storm with a node killed and restarted, the table and the plots.
     Demo(storm::DemoArgs),
+    /// What the ownership map costs as the file and the cluster grow: an
+    /// in-process coordinator, simulated members that only heartbeat and
+    /// watchers on WatchMap (compact); map and delta bytes, join-to-applied
+    /// time, coordinator CPU per heartbeat, beside the old expanded map.
+    Mapscale(mapscale::Args),
     /// A reader process of `storm` (started by it; not for direct use).
     #[command(hide = true)]
     StormReader(storm::reader::ReaderArgs),
@@ -102,6 +108,7 @@ fn bench() -> anyhow::Result<()> {
         Cmd::RemoteOwner(a) => remote::owner::serve(&a),
         Cmd::Storm(a) => storm::run(&a),
         Cmd::Demo(a) => storm::demo(&a),
+        Cmd::Mapscale(a) => mapscale::run(&a),
         Cmd::StormReader(a) => storm::reader::run(&a),
     }
 }

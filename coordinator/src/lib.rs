@@ -2,7 +2,7 @@
 //! who owns which extent of the file.
 //!
 //! It keeps membership (registration, heartbeats, leases), computes the
-//! ownership map by weighted rendezvous hashing ([`rendezvous`]), numbers it
+//! ownership map by weighted rendezvous hashing (`pagewire_proto::rendezvous`), numbers it
 //! by an epoch, streams it to nodes and readers, moves extents on join, leave,
 //! failure and drain without a gap ([`state`] explains how), forwards
 //! cluster-wide warm/evict to owners, pushes admission/eviction policy, and
@@ -20,7 +20,6 @@ pub mod error;
 mod ha;
 pub mod metrics;
 mod persist;
-mod rendezvous;
 pub mod service;
 mod state;
 pub mod store;
@@ -111,6 +110,74 @@ async fn bind(addr: &str) -> Result<TcpListener, StartError> {
             addr: addr.to_owned(),
             source,
         })
+}
+
+/// Writes a state file for a cluster whose `members` (node id, capacity in
+/// bytes) are all alive with the map settled at epoch 1 (no handoff, no
+/// release), as if each had registered and every handoff had finished.
+/// Indices and incarnations are 1, 2, ... in the order given; every member
+/// gets `grpc_address`. For simulators that need a large cluster without
+/// thousands of joins (`pagewire-bench mapscale`); a coordinator started on
+/// it gives every member a fresh lease, which it keeps by heartbeating with
+/// its incarnation.
+pub fn write_settled_state(
+    path: &std::path::Path,
+    cluster_name: &str,
+    map: &config::MapConfig,
+    members: &[(String, u64)],
+    grpc_address: &str,
+) -> Result<(), PersistError> {
+    use pagewire_proto::v1::{CandidateSet, CompactMap, MapNode, NodeInfo, NodeState};
+    let n = u32::try_from(members.len()).unwrap_or(u32::MAX - 1);
+    let infos: Vec<NodeInfo> = members
+        .iter()
+        .zip(1u32..)
+        .map(|((id, capacity), index)| NodeInfo {
+            node_id: id.clone(),
+            index,
+            grpc_address: grpc_address.to_owned(),
+            capacity_bytes: *capacity,
+            state: NodeState::Alive.into(),
+            incarnation: u64::from(index),
+            ..Default::default()
+        })
+        .collect();
+    let compact = CompactMap {
+        epoch: 1,
+        file_size: map.file_size,
+        extent_size: map.extent_size,
+        page_size: map.page_size,
+        nodes: infos
+            .iter()
+            .map(|i| MapNode {
+                index: i.index,
+                node_id: i.node_id.clone(),
+                grpc_address: i.grpc_address.clone(),
+                state: i.state,
+                weight: i.capacity_bytes,
+                ..Default::default()
+            })
+            .collect(),
+        // The owner set is the base set: every alive member.
+        sets: vec![CandidateSet {
+            id: 1,
+            ..Default::default()
+        }],
+        owner_set: 1,
+        ..Default::default()
+    };
+    persist::save(
+        path,
+        &persist::PersistedState {
+            cluster_name: cluster_name.to_owned(),
+            members: infos,
+            map: None,
+            policy: None,
+            next_index: n + 1,
+            next_incarnation: u64::from(n) + 1,
+            compact: Some(compact),
+        },
+    )
 }
 
 /// Runs the coordinator until `shutdown` completes. `on_bound` learns the

@@ -138,9 +138,15 @@ impl Metrics {
         self.extents_in_handoff.set(
             i64::try_from(map.previous_owner.iter().filter(|&&p| p != 0).count()).unwrap_or(0),
         );
+        // One pass over the owners (not one per node: O(extents × nodes)
+        // at every epoch for a big cluster).
+        let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        for &o in &map.owner {
+            *counts.entry(o).or_default() += 1;
+        }
         let mut labels_now = Vec::new();
         for n in &map.nodes {
-            let count = map.owner.iter().filter(|&&o| o == n.index).count();
+            let count = counts.get(&n.index).copied().unwrap_or(0);
             let l = vec![("node".to_owned(), n.node_id.clone())];
             self.extents_owned
                 .get_or_create(&l)
@@ -148,7 +154,9 @@ impl Metrics {
             labels_now.push(l);
         }
         if let Ok(mut last) = self.last_owned.lock() {
-            for l in last.iter().filter(|l| !labels_now.contains(l)) {
+            let now: std::collections::HashSet<&Vec<(String, String)>> =
+                labels_now.iter().collect();
+            for l in last.iter().filter(|l| !now.contains(l)) {
                 self.extents_owned.remove(l);
             }
             *last = labels_now;

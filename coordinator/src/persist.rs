@@ -11,11 +11,14 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use pagewire_proto::v1::{NodeInfo, OwnershipMap, Policy};
+use pagewire_proto::v1::{CompactMap, NodeInfo, OwnershipMap, Policy};
 use prost::Message;
 
 const MAGIC: &[u8; 4] = b"PWCS";
-const FORMAT: u32 = 1;
+/// Format 2 stores the compact map (`compact`); format 1 stored the
+/// expanded one (`map`) and is still read (converted on load).
+const FORMAT: u32 = 2;
+const OLDEST_FORMAT: u32 = 1;
 
 /// What survives a restart.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -25,6 +28,7 @@ pub(crate) struct PersistedState {
     /// Members with their persistent fields (runtime fields are zero).
     #[prost(message, repeated, tag = "2")]
     pub(crate) members: Vec<NodeInfo>,
+    /// The expanded map: format 1 only (format 2 leaves it empty).
     #[prost(message, optional, tag = "3")]
     pub(crate) map: Option<OwnershipMap>,
     #[prost(message, optional, tag = "4")]
@@ -33,6 +37,9 @@ pub(crate) struct PersistedState {
     pub(crate) next_index: u32,
     #[prost(uint64, tag = "6")]
     pub(crate) next_incarnation: u64,
+    /// The map in compact form (format 2).
+    #[prost(message, optional, tag = "7")]
+    pub(crate) compact: Option<CompactMap>,
 }
 
 /// Why the state file could not be read or written.
@@ -82,8 +89,10 @@ pub(crate) fn load(path: &Path) -> Result<Option<PersistedState>, PersistError> 
         return Err(corrupt("bad magic"));
     }
     let format = u32::from_le_bytes(bytes[4..8].try_into().unwrap_or_default());
-    if format != FORMAT {
-        return Err(corrupt(&format!("format {format}, expected {FORMAT}")));
+    if !(OLDEST_FORMAT..=FORMAT).contains(&format) {
+        return Err(corrupt(&format!(
+            "format {format}, expected {OLDEST_FORMAT} to {FORMAT}"
+        )));
     }
     let len = u64::from_le_bytes(bytes[8..16].try_into().unwrap_or_default());
     let Some(end) = usize::try_from(len).ok().and_then(|l| l.checked_add(16)) else {
@@ -104,10 +113,19 @@ pub(crate) fn load(path: &Path) -> Result<Option<PersistedState>, PersistError> 
 
 /// Replaces the state file atomically and durably.
 pub(crate) fn save(path: &Path, state: &PersistedState) -> Result<(), PersistError> {
+    save_as(path, state, FORMAT)
+}
+
+/// [`save`] with a given format number (tests write format 1 files).
+pub(crate) fn save_as(
+    path: &Path,
+    state: &PersistedState,
+    format: u32,
+) -> Result<(), PersistError> {
     let payload = state.encode_to_vec();
     let mut bytes = Vec::with_capacity(payload.len() + 24);
     bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&FORMAT.to_le_bytes());
+    bytes.extend_from_slice(&format.to_le_bytes());
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&payload);
     bytes.extend_from_slice(&fnv1a(&payload).to_le_bytes());
@@ -160,6 +178,7 @@ mod tests {
             policy: None,
             next_index: 2,
             next_incarnation: 3,
+            compact: None,
         };
         save(&path, &st).unwrap();
         assert_eq!(load(&path).unwrap().unwrap(), st);

@@ -360,28 +360,61 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<WatchMapRequest>,
     ) -> Result<Response<MapStream>, Status> {
-        let min = req.into_inner().min_epoch;
+        let req = req.into_inner();
+        let min = req.min_epoch;
         let rx = self.shared.cluster().subscribe();
-        let maps = WatchStream::new(rx)
-            .filter(move |m| m.epoch >= min)
-            .map(|m| Some((*m).clone()));
+        let stream = WatchStream::new(rx).filter(move |p| p.map.epoch >= min);
         // Ends when the coordinator stops, so that a graceful shutdown
         // does not wait for ever on streams that never end by themselves.
         let stop = WatchStream::new(self.shared.stopping.subscribe())
             .filter(|stopping| *stopping)
             .map(|_| None);
-        let stream = maps
-            .merge(stop)
-            .take_while(Option::is_some)
-            .filter_map(|m| m.map(Ok));
-        Ok(Response::new(Box::pin(stream)))
+        if !req.compact {
+            let maps = stream.map(|p| Some(Ok((*p.map).clone())));
+            return Ok(Response::new(Box::pin(
+                maps.merge(stop)
+                    .take_while(Option::is_some)
+                    .filter_map(|m| m),
+            )));
+        }
+        // A full compact map first, then deltas on the one sent before (the
+        // watch channel may skip epochs: then the delta spans them).
+        let mut sent: Option<Arc<pagewire_proto::v1::CompactMap>> = None;
+        let maps = stream.map(move |p| {
+            let compact = match &sent {
+                None => (*p.compact).clone(),
+                Some(prev) => match &p.delta {
+                    Some(d) if d.base_epoch == prev.epoch => (**d).clone(),
+                    _ => pagewire_proto::map::delta(prev, &p.compact),
+                },
+            };
+            sent = Some(p.compact.clone());
+            Some(Ok(OwnershipMap {
+                epoch: p.map.epoch,
+                compact: Some(compact),
+                ..Default::default()
+            }))
+        });
+        Ok(Response::new(Box::pin(
+            maps.merge(stop)
+                .take_while(Option::is_some)
+                .filter_map(|m| m),
+        )))
     }
 
-    async fn get_map(
-        &self,
-        _req: Request<GetMapRequest>,
-    ) -> Result<Response<OwnershipMap>, Status> {
-        let r = self.shared.confirmed().await.map(|c| (*c.map()).clone());
+    async fn get_map(&self, req: Request<GetMapRequest>) -> Result<Response<OwnershipMap>, Status> {
+        let compact = req.into_inner().compact;
+        let r = self.shared.confirmed().await.map(|cluster| {
+            if compact {
+                let compact = cluster.compact_map();
+                return OwnershipMap {
+                    epoch: compact.epoch,
+                    compact: Some((*compact).clone()),
+                    ..Default::default()
+                };
+            }
+            (*cluster.map()).clone()
+        });
         self.track("GetMap", r)
     }
 

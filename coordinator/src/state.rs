@@ -27,22 +27,36 @@
 //! node's own lease ran out before the coordinator's did. Until its new owner
 //! applies the map, readers retry and fall back to reading the backing file
 //! themselves (the source of truth), as for any failed owner.
+//!
+//! ## The compact map
+//!
+//! The arrays above (`owner`, `previous`, `released`) are the truth, computed
+//! as described. Alongside them [`MapDesc`] says how they came about, in
+//! O(members) terms: the owner set (the rendezvous candidates) and, as
+//! layers naming earlier owner sets, the handoff (the owners under the sets
+//! before each rebalance since the handoff began) and each group of releases
+//! (the servers of the epoch that released them). Every commit derives the
+//! [`CompactMap`] from it, expands that with the shared code
+//! (`pagewire_proto::map`) and lists where the expansion differs from the
+//! arrays as explicit overrides, so the compact map always expands to
+//! exactly the arrays; the state file and compact watchers get that form.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pagewire_proto::map::{self as cmap, Expander, Set};
 use pagewire_proto::v1::{
-    HeartbeatRequest, HeartbeatResponse, MapNode, NodeInfo, NodeState, OwnershipMap, Policy,
-    RegisterRequest, RegisterResponse, StatusResponse,
+    CompactMap, HeartbeatRequest, HeartbeatResponse, Layer, MapNode, NodeInfo, NodeState,
+    OwnershipMap, Policy, RegisterRequest, RegisterResponse, ReleaseGroup, SparseOverrides,
+    StatusResponse,
 };
 use tokio::sync::watch;
 
 use crate::error::{CoordError, quoted, state_name};
 use crate::metrics::Metrics;
 use crate::persist::PersistedState;
-use crate::rendezvous::{self, Candidate};
 use crate::store::{FileStore, Store};
 
 /// Fixed parameters of a cluster.
@@ -63,6 +77,51 @@ struct Member {
     lease_deadline: Option<Instant>,
 }
 
+/// One layer of a compact map rule (`pagewire.v1.Layer`).
+#[derive(Debug, Clone, PartialEq)]
+struct LayerDesc {
+    set: u64,
+    /// Node → index of the layer the scan goes on at when it is the owner
+    /// here (see `pagewire.v1.Layer`).
+    except: BTreeMap<u32, usize>,
+}
+
+/// One group of releases (`pagewire.v1.ReleaseGroup`).
+#[derive(Debug, Clone, PartialEq)]
+struct GroupDesc {
+    layers: Vec<LayerDesc>,
+    except: BTreeSet<u32>,
+    /// The owner sets since the release (an entry goes where its extent's
+    /// owner was its node at a commit).
+    dropped_by: Vec<u64>,
+    /// The epoch that released these extents (entries of a node that
+    /// applied it go at the next commit).
+    at: u64,
+    /// The nodes it gave as `released_by` at the last expansion (None: not
+    /// known yet): only they need `except` entries.
+    gave: Option<BTreeSet<u32>>,
+}
+
+/// How the map's arrays came about (see "The compact map" above).
+#[derive(Debug, Clone, Default, PartialEq)]
+struct MapDesc {
+    /// Every set the rules name, by id (the epoch it became the owner set).
+    sets: BTreeMap<u64, Set>,
+    owner_set: u64,
+    /// Oldest first.
+    handoff: Vec<LayerDesc>,
+    /// Newest first.
+    groups: Vec<GroupDesc>,
+}
+
+/// What the watch channel carries: the map of one epoch in both forms.
+pub(crate) struct Published {
+    pub(crate) map: Arc<OwnershipMap>,
+    pub(crate) compact: Arc<CompactMap>,
+    /// From the map published before this one (None for the first).
+    pub(crate) delta: Option<Arc<CompactMap>>,
+}
+
 pub(crate) struct Cluster {
     params: Params,
     file_size: u64,
@@ -77,14 +136,101 @@ pub(crate) struct Cluster {
     /// each entry was released (0 where none).
     released: Vec<u32>,
     released_epoch: Vec<u64>,
+    desc: MapDesc,
+    compact: Arc<CompactMap>,
+    expander: Expander,
+    /// The new and the previous owners of the handoff at this epoch (so a
+    /// heartbeat does not scan the extents): (epoch, new, previous).
+    handoff_nodes: Option<(u64, Vec<u32>, Vec<u32>)>,
     policy: Policy,
     /// What the config says, for a state without them.
     config_file_size: u64,
     config_policy: Policy,
-    map_tx: watch::Sender<Arc<OwnershipMap>>,
+    map_tx: watch::Sender<Arc<Published>>,
     metrics: Arc<Metrics>,
     started: Instant,
     store: Arc<dyn Store>,
+}
+
+impl MapDesc {
+    /// No owner yet: the empty set as owner set (id `epoch`).
+    fn empty(epoch: u64) -> Self {
+        MapDesc {
+            sets: BTreeMap::from([(epoch, Vec::new())]),
+            owner_set: epoch,
+            ..MapDesc::default()
+        }
+    }
+
+    /// The description a compact map carries (release epochs: its epoch,
+    /// as for the arrays restored with it).
+    fn of(cm: &CompactMap) -> Result<Self, cmap::MapError> {
+        let layer = |l: &Layer| LayerDesc {
+            set: l.set,
+            except: l
+                .except
+                .iter()
+                .enumerate()
+                .map(|(k, &v)| (v, l.resume.get(k).map_or(0, |&r| r as usize)))
+                .collect(),
+        };
+        Ok(MapDesc {
+            sets: cmap::resolve(cm)?,
+            owner_set: cm.owner_set,
+            handoff: cm.handoff.iter().map(layer).collect(),
+            groups: cm
+                .releases
+                .iter()
+                .map(|g| GroupDesc {
+                    layers: g.layers.iter().map(layer).collect(),
+                    except: g.except.iter().copied().collect(),
+                    dropped_by: g.dropped_by.clone(),
+                    at: cm.epoch,
+                    gave: None,
+                })
+                .collect(),
+        })
+    }
+
+    /// The compact map of this description, without overrides.
+    fn to_proto(&self, nodes: Vec<MapNode>, epoch: u64, file_size: u64, p: &Params) -> CompactMap {
+        let base = cmap::base_set(&nodes);
+        let layer = |l: &LayerDesc| Layer {
+            set: l.set,
+            except: l.except.keys().copied().collect(),
+            resume: l
+                .except
+                .values()
+                .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
+                .collect(),
+        };
+        CompactMap {
+            base_epoch: 0,
+            epoch,
+            file_size,
+            extent_size: p.extent_size,
+            page_size: p.page_size,
+            nodes,
+            sets: self
+                .sets
+                .iter()
+                .map(|(&id, s)| cmap::relative(id, s, &base))
+                .collect(),
+            owner_set: self.owner_set,
+            handoff: self.handoff.iter().map(layer).collect(),
+            releases: self
+                .groups
+                .iter()
+                .map(|g| ReleaseGroup {
+                    layers: g.layers.iter().map(layer).collect(),
+                    except: g.except.iter().copied().collect(),
+                    dropped_by: g.dropped_by.clone(),
+                    released_at: g.at,
+                })
+                .collect(),
+            overrides: None,
+        }
+    }
 }
 
 /// Only these states hold a lease (and may serve extents).
@@ -156,10 +302,13 @@ impl Cluster {
         metrics: Arc<Metrics>,
         store: Arc<dyn Store>,
     ) -> Self {
-        let (map_tx, _) = watch::channel(Arc::new(OwnershipMap::default()));
+        let (map_tx, _) = watch::channel(Arc::new(Published {
+            map: Arc::default(),
+            compact: Arc::default(),
+            delta: None,
+        }));
         let mut c = Cluster {
             file_size: config_file_size,
-            config_file_size,
             members: BTreeMap::new(),
             next_index: 1,
             next_incarnation: 1,
@@ -168,7 +317,12 @@ impl Cluster {
             previous: Vec::new(),
             released: Vec::new(),
             released_epoch: Vec::new(),
+            desc: MapDesc::empty(0),
+            compact: Arc::default(),
+            expander: Expander::new(12),
+            handoff_nodes: None,
             policy: config_policy,
+            config_file_size,
             config_policy,
             map_tx,
             metrics,
@@ -176,6 +330,7 @@ impl Cluster {
             params,
             store,
         };
+        c.compact = Arc::new(c.encode());
         c.publish_current();
         c
     }
@@ -214,19 +369,34 @@ impl Cluster {
         st: PersistedState,
         what: &str,
     ) -> Result<(), crate::StartError> {
-        let map = st.map.unwrap_or_default();
+        let config_file_size = self.config_file_size;
+        self.policy = self.config_policy;
+        self.members.clear();
+        self.handoff_nodes = None;
+        // Format 2 files hold the compact map, format 1 files the
+        // expanded one (converted here; the next save writes format 2).
+        let compact = st.compact.clone();
+        let map = match &compact {
+            Some(cm) => Expander::default()
+                .expand(cm)
+                .map_err(|e| crate::StartError::StateMismatch(format!("{}: {e}", what)))?,
+            None => st.map.clone().unwrap_or_default(),
+        };
         if map.extent_size != self.params.extent_size || map.page_size != self.params.page_size {
             return Err(crate::StartError::StateMismatch(format!(
-                "{what} was written with extent_size {} and page_size {}, the config \
+                "{} was written with extent_size {} and page_size {}, the config \
                  says {} and {}; keep the old values or start with a new state",
-                map.extent_size, map.page_size, self.params.extent_size, self.params.page_size
+                what,
+                map.extent_size,
+                map.page_size,
+                self.params.extent_size,
+                self.params.page_size
             )));
         }
-        let config_file_size = self.config_file_size;
         if config_file_size != 0 && map.file_size != 0 && map.file_size != config_file_size {
             return Err(crate::StartError::StateMismatch(format!(
-                "{what} is for a {} byte file, the config says {}",
-                map.file_size, config_file_size
+                "{} is for a {} byte file, the config says {}",
+                what, map.file_size, config_file_size
             )));
         }
         self.file_size = map.file_size.max(config_file_size);
@@ -237,7 +407,27 @@ impl Cluster {
         // only keeps an entry longer.
         self.released_epoch = vec![map.epoch; map.released_by.len()];
         self.released = map.released_by;
-        self.policy = self.config_policy;
+        self.desc = match &compact {
+            Some(cm) => MapDesc::of(cm)
+                .map_err(|e| crate::StartError::StateMismatch(format!("{}: {e}", what)))?,
+            None => {
+                // No history: the owner set from the members, the rest
+                // as overrides until the handoff and releases pass.
+                let owner_set = st
+                    .members
+                    .iter()
+                    .filter(|m| m.state() == NodeState::Alive)
+                    .map(|m| (m.index, m.capacity_bytes))
+                    .collect::<BTreeMap<_, _>>()
+                    .into_iter()
+                    .collect();
+                MapDesc {
+                    sets: BTreeMap::from([(self.epoch, owner_set)]),
+                    owner_set: self.epoch,
+                    ..MapDesc::default()
+                }
+            }
+        };
         if let Some(p) = st.policy {
             // A policy saved by an older coordinator may name what the
             // nodes do not implement: the config's replaces it, with a
@@ -253,8 +443,9 @@ impl Cluster {
         self.next_index = st.next_index.max(1);
         self.next_incarnation = st.next_incarnation.max(1);
         let now = Instant::now();
-        self.members.clear();
         for info in st.members {
+            // Every member that held a lease gets a fresh one: it had no
+            // chance to heartbeat while the coordinator was down.
             let lease_deadline = holds_lease(info.state()).then(|| now + self.params.lease);
             self.members.insert(
                 info.node_id.clone(),
@@ -270,6 +461,7 @@ impl Cluster {
             from = %what,
             "state restored"
         );
+        self.compact = Arc::new(self.encode());
         // A state saved without a new epoch (a registration, a policy) may
         // carry the same map: watchers get a map once.
         if *self.map() != self.build_map() {
@@ -301,12 +493,17 @@ impl Cluster {
         self.epoch
     }
 
-    pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<OwnershipMap>> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<Published>> {
         self.map_tx.subscribe()
     }
 
     pub(crate) fn map(&self) -> Arc<OwnershipMap> {
-        self.map_tx.borrow().clone()
+        self.map_tx.borrow().map.clone()
+    }
+
+    /// The current map in compact form.
+    pub(crate) fn compact_map(&self) -> Arc<CompactMap> {
+        self.map_tx.borrow().compact.clone()
     }
 
     fn extent_count(&self) -> u64 {
@@ -323,10 +520,190 @@ impl Cluster {
                 grpc_address: m.info.grpc_address.clone(),
                 transports: m.info.transports.clone(),
                 state: m.info.state,
+                weight: m.info.capacity_bytes,
             })
             .collect();
         nodes.sort_by_key(|n| n.index);
         nodes
+    }
+
+    /// Node index → node id, for hashing.
+    fn ids(&self) -> HashMap<u32, &str> {
+        self.members
+            .values()
+            .map(|m| (m.info.index, m.info.node_id.as_str()))
+            .collect()
+    }
+
+    /// The compact map of the current state: the description, with its
+    /// unused layers, groups and sets dropped, plus overrides wherever its
+    /// expansion differs from the arrays.
+    fn encode(&mut self) -> CompactMap {
+        let cm = self
+            .desc
+            .to_proto(self.map_nodes(), self.epoch, self.file_size, &self.params);
+        let arrays = match self.expander.arrays(&cm) {
+            Ok(a) => a,
+            Err(e) => {
+                // Cannot happen (every set the description names is in it);
+                // start over from an empty owner set, with the arrays as
+                // overrides: still exact.
+                tracing::error!(error = %e, "map description unusable; sending overrides");
+                self.desc = MapDesc::empty(self.epoch);
+                let mut cm =
+                    self.desc
+                        .to_proto(self.map_nodes(), self.epoch, self.file_size, &self.params);
+                let zeros = vec![0; self.owner.len()];
+                let (owner_extent, owner_node) = cmap::sparse_diff(&self.owner, &zeros);
+                let (previous_extent, previous_node) = cmap::sparse_diff(&self.previous, &zeros);
+                let (released_extent, released_node) = cmap::sparse_diff(&self.released, &zeros);
+                cm.overrides = Some(SparseOverrides {
+                    owner_extent,
+                    owner_node,
+                    previous_extent,
+                    previous_node,
+                    released_extent,
+                    released_node,
+                });
+                return cm;
+            }
+        };
+        // Drop the release groups that give no value: that changes none.
+        // (Layers stay: a resume names its target by position.)
+        let d = &mut self.desc;
+        for (g, gave) in d.groups.iter_mut().zip(&arrays.group_values) {
+            g.gave = Some(gave.clone());
+        }
+        let mut g = 0;
+        d.groups.retain(|_| {
+            g += 1;
+            arrays.group_hits[g - 1] > 0
+        });
+        let used: BTreeSet<u64> = std::iter::once(d.owner_set)
+            .chain(d.handoff.iter().map(|l| l.set))
+            .chain(d.groups.iter().flat_map(|g| g.layers.iter().map(|l| l.set)))
+            .chain(d.groups.iter().flat_map(|g| g.dropped_by.iter().copied()))
+            .collect();
+        d.sets.retain(|id, _| used.contains(id));
+        let mut cm = self
+            .desc
+            .to_proto(self.map_nodes(), self.epoch, self.file_size, &self.params);
+        let (owner_extent, owner_node) = cmap::sparse_diff(&self.owner, &arrays.predicted_owner);
+        let (previous_extent, previous_node) =
+            cmap::sparse_diff(&self.previous, &arrays.predicted_previous);
+        let (released_extent, released_node) =
+            cmap::sparse_diff(&self.released, &arrays.predicted_released);
+        let o = SparseOverrides {
+            owner_extent,
+            owner_node,
+            previous_extent,
+            previous_node,
+            released_extent,
+            released_node,
+        };
+        cm.overrides = (cmap::override_count(Some(&o)) > 0).then_some(o);
+        cm
+    }
+
+    /// The description after a commit installing `previous` (non-empty only
+    /// from a rebalance) with the owner set `next_set` (None: unchanged).
+    fn next_desc(&self, previous: &[u32], next_set: Option<Set>) -> MapDesc {
+        let serving: BTreeSet<u32> = self
+            .members
+            .values()
+            .filter(|m| holds_lease(m.info.state()))
+            .map(|m| m.info.index)
+            .collect();
+        let applied: BTreeMap<u32, u64> = self
+            .members
+            .values()
+            .map(|m| (m.info.index, m.info.applied_epoch))
+            .collect();
+        let old = &self.desc;
+        let mut d = MapDesc {
+            sets: old.sets.clone(),
+            owner_set: old.owner_set,
+            handoff: Vec::new(),
+            groups: Vec::new(),
+        };
+        let not_serving = |set: u64| -> Vec<u32> {
+            old.sets
+                .get(&set)
+                .into_iter()
+                .flatten()
+                .map(|&(i, _)| i)
+                .filter(|i| !serving.contains(i))
+                .collect()
+        };
+        if let Some(s) = next_set
+            && old.sets.get(&old.owner_set) != Some(&s)
+        {
+            d.owner_set = self.epoch + 1;
+            d.sets.insert(d.owner_set, s);
+        }
+        if !previous.is_empty() {
+            // The server of each extent: the one serving since the handoff
+            // began; where it stopped serving at a rebalance, the owner
+            // before that rebalance (the layer added then) takes over.
+            if !self.previous.is_empty() {
+                let at = old.handoff.len();
+                d.handoff = old.handoff.clone();
+                for l in &mut d.handoff {
+                    for v in not_serving(l.set) {
+                        l.except.entry(v).or_insert(at);
+                    }
+                }
+            }
+            let next = d.handoff.len() + 1;
+            d.handoff.push(LayerDesc {
+                set: old.owner_set,
+                except: not_serving(old.owner_set)
+                    .into_iter()
+                    .map(|v| (v, next))
+                    .collect(),
+            });
+        }
+        // What this commit releases: each extent's server at the current
+        // epoch (its previous owner, else its owner).
+        let mut layers = if self.previous.is_empty() {
+            Vec::new()
+        } else {
+            old.handoff.clone()
+        };
+        layers.push(LayerDesc {
+            set: old.owner_set,
+            except: BTreeMap::new(),
+        });
+        d.groups.push(GroupDesc {
+            layers,
+            except: BTreeSet::new(),
+            dropped_by: vec![d.owner_set],
+            at: self.epoch + 1,
+            gave: None,
+        });
+        // Older releases stay while their node holds a lease and has not
+        // applied the epoch that released them.
+        for g in &old.groups {
+            let mut g = g.clone();
+            let named: BTreeSet<u32> = match &g.gave {
+                Some(gave) => gave.clone(),
+                None => g
+                    .layers
+                    .iter()
+                    .flat_map(|l| old.sets.get(&l.set).into_iter().flatten().map(|&(i, _)| i))
+                    .collect(),
+            };
+            for i in named {
+                if !serving.contains(&i) || applied.get(&i).is_some_and(|&a| a >= g.at) {
+                    g.except.insert(i);
+                }
+            }
+            if !g.dropped_by.contains(&d.owner_set) {
+                g.dropped_by.push(d.owner_set);
+            }
+            d.groups.push(g);
+        }
+        d
     }
 
     fn build_map(&self) -> OwnershipMap {
@@ -339,6 +716,7 @@ impl Cluster {
             owner: self.owner.clone(),
             previous_owner: self.previous.clone(),
             released_by: self.released.clone(),
+            compact: None,
         }
     }
 
@@ -361,7 +739,8 @@ impl Cluster {
                     ..Default::default()
                 })
                 .collect(),
-            map: Some(self.build_map()),
+            map: None,
+            compact: Some((*self.compact).clone()),
             policy: Some(self.policy),
             next_index: self.next_index,
             next_incarnation: self.next_incarnation,
@@ -390,7 +769,14 @@ impl Cluster {
     fn publish_current(&mut self) {
         let map = Arc::new(self.build_map());
         self.metrics.observe_map(&map, &self.members_for_metrics());
-        self.map_tx.send_replace(map);
+        let before = self.map_tx.borrow().compact.clone();
+        let delta = (before.epoch != 0 || !before.nodes.is_empty())
+            .then(|| Arc::new(cmap::delta(&before, &self.compact)));
+        self.map_tx.send_replace(Arc::new(Published {
+            map,
+            compact: self.compact.clone(),
+            delta,
+        }));
     }
 
     fn members_for_metrics(&self) -> Vec<(String, NodeState)> {
@@ -403,17 +789,23 @@ impl Cluster {
     /// Recomputes owners from the members' states; when the map changes,
     /// bumps the epoch, saves and publishes. Returns whether it changed.
     fn rebalance(&mut self, reason: &str) -> Result<bool, CoordError> {
-        let candidates: Vec<Candidate<'_>> = self
+        let mut candidates: Set = self
             .members
             .values()
             .filter(|m| m.info.state() == NodeState::Alive)
-            .map(|m| Candidate {
-                index: m.info.index,
-                node_id: &m.info.node_id,
-                weight: m.info.capacity_bytes,
-            })
+            .map(|m| (m.info.index, m.info.capacity_bytes))
             .collect();
-        let new_owner = rendezvous::assign(self.extent_count(), &candidates);
+        candidates.sort_unstable();
+        let extents = self.extent_count();
+        // Incremental from the current owner set's owners when one member
+        // changed (the expander keeps them).
+        let ids: HashMap<u32, String> = self
+            .ids()
+            .into_iter()
+            .map(|(i, id)| (i, id.to_owned()))
+            .collect();
+        let ids: HashMap<u32, &str> = ids.iter().map(|(&i, id)| (i, id.as_str())).collect();
+        let new_owner = self.expander.owners(&candidates, &ids, extents).to_vec();
         let serving: HashSet<u32> = self
             .members
             .values()
@@ -442,7 +834,7 @@ impl Cluster {
         if !any_prev {
             new_prev.clear();
         }
-        self.commit(new_owner, new_prev, reason)
+        self.commit(new_owner, new_prev, Some(candidates), reason)
     }
 
     /// Installs owners and handoffs; bumps the epoch if anything changed.
@@ -450,6 +842,7 @@ impl Cluster {
         &mut self,
         owner: Vec<u32>,
         previous: Vec<u32>,
+        next_set: Option<Set>,
         reason: &str,
     ) -> Result<bool, CoordError> {
         let nodes = self.map_nodes();
@@ -467,6 +860,11 @@ impl Cluster {
             .filter(|(a, b)| a != b)
             .count();
         let (released, released_epoch) = self.releases(&owner, &previous, self.epoch + 1);
+        let desc = self.next_desc(&previous, next_set);
+        let old_desc = (
+            std::mem::replace(&mut self.desc, desc),
+            self.compact.clone(),
+        );
         let old = (
             std::mem::replace(&mut self.owner, owner),
             std::mem::replace(&mut self.previous, previous),
@@ -475,9 +873,11 @@ impl Cluster {
         );
         self.epoch += 1;
         self.settle_drains();
+        self.compact = Arc::new(self.encode());
         if let Err(e) = self.store_save(Some((self.epoch, reason))) {
             // Roll back: an epoch that is not on disk must not be published.
             self.epoch -= 1;
+            (self.desc, self.compact) = old_desc;
             (
                 self.owner,
                 self.previous,
@@ -491,6 +891,7 @@ impl Cluster {
             reason,
             moved,
             handoffs = self.previous.iter().filter(|&&p| p != 0).count(),
+            overrides = cmap::override_count(self.compact.overrides.as_ref()),
             "new ownership map"
         );
         self.metrics.map_changes.inc();
@@ -569,29 +970,44 @@ impl Cluster {
         if self.previous.is_empty() {
             return Ok(());
         }
-        let new_owners: HashSet<u32> = self
-            .owner
-            .iter()
-            .zip(&self.previous)
-            .filter(|(_, p)| **p != 0)
-            .map(|(o, _)| *o)
-            .collect();
-        let previous: HashSet<u32> = self.previous.iter().copied().filter(|&p| p != 0).collect();
+        if self
+            .handoff_nodes
+            .as_ref()
+            .is_none_or(|h| h.0 != self.epoch)
+        {
+            let new_owners: BTreeSet<u32> = self
+                .owner
+                .iter()
+                .zip(&self.previous)
+                .filter(|(_, p)| **p != 0)
+                .map(|(o, _)| *o)
+                .collect();
+            let previous: BTreeSet<u32> =
+                self.previous.iter().copied().filter(|&p| p != 0).collect();
+            self.handoff_nodes = Some((
+                self.epoch,
+                new_owners.into_iter().collect(),
+                previous.into_iter().collect(),
+            ));
+        }
+        let (_, new_owners, previous) = self.handoff_nodes.as_ref().expect("set above");
+        let by_index: HashMap<u32, &Member> =
+            self.members.values().map(|m| (m.info.index, m)).collect();
         let applied = |idx: u32| {
-            self.members
-                .values()
-                .any(|m| m.info.index == idx && m.info.applied_epoch >= self.epoch)
+            by_index
+                .get(&idx)
+                .is_some_and(|m| m.info.applied_epoch >= self.epoch)
         };
         let holds = |idx: u32| {
-            self.members
-                .values()
-                .any(|m| m.info.index == idx && holds_lease(m.info.state()))
+            by_index
+                .get(&idx)
+                .is_some_and(|m| holds_lease(m.info.state()))
         };
         let ready = new_owners.iter().all(|&i| applied(i))
             && previous.iter().all(|&i| !holds(i) || applied(i));
         if ready {
             let owner = self.owner.clone();
-            self.commit(owner, Vec::new(), "handoff complete")?;
+            self.commit(owner, Vec::new(), None, "handoff complete")?;
         }
         Ok(())
     }
@@ -1338,5 +1754,360 @@ mod tests {
         p.eviction = EvictionPolicy::Unspecified.into();
         let s = tonic::Status::from(c.set_policy(p).unwrap_err());
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
+    }
+
+    /// A small deterministic generator for the randomized tests.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(1);
+            pagewire_proto::rendezvous::splitmix64(self.0)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    /// Expands what the coordinator publishes and stores, after a trip
+    /// through the wire encoding, and compares it with the arrays of the
+    /// state machine. Returns the number of overrides the map carries.
+    fn check_compact(
+        c: &Cluster,
+        follower: &mut cmap::MapFollower,
+        sent: &mut Option<Arc<CompactMap>>,
+    ) -> usize {
+        use prost::Message;
+        let cm = c.compact_map();
+        let wire = CompactMap::decode(cm.encode_to_vec().as_slice()).unwrap();
+        let m = Expander::default().expand(&wire).unwrap();
+        let at = format!("epoch {}", c.epoch);
+        assert_eq!(m.epoch, c.epoch, "{at}");
+        assert_eq!(m.owner, c.owner, "{at}: owner");
+        assert_eq!(m.previous_owner, c.previous, "{at}: previous_owner");
+        assert_eq!(m.released_by, c.released, "{at}: released_by");
+        assert_eq!(
+            m,
+            *c.map(),
+            "{at}: the expanded map differs from the published one"
+        );
+        // The stored form is the compact one.
+        let st = c.persisted();
+        assert!(st.map.is_none());
+        assert_eq!(st.compact.as_ref(), Some(&*cm));
+        // A watcher following deltas gets the same.
+        let msg = match sent.as_ref() {
+            Some(prev) if prev.epoch != cm.epoch || **prev != *cm => cmap::delta(prev, &cm),
+            Some(_) => return cmap::override_count(cm.overrides.as_ref()),
+            None => (*cm).clone(),
+        };
+        let followed = follower
+            .apply(OwnershipMap {
+                epoch: cm.epoch,
+                compact: Some(msg),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(followed, *c.map(), "{at}: through deltas");
+        *sent = Some(cm.clone());
+        cmap::override_count(cm.overrides.as_ref())
+    }
+
+    /// Random joins, leaves, drains, undrains, lease expiries, heartbeats
+    /// (finishing handoffs, applying releases) and restarts: after every
+    /// step the compact map expands to exactly the arrays.
+    #[test]
+    fn the_compact_map_always_expands_to_the_arrays() {
+        let (mut steps, mut handoffs, mut releases) = (0usize, 0usize, 0usize);
+        // PAGEWIRE_MAP_SEEDS=500 for a longer soak.
+        let seeds: u64 = std::env::var("PAGEWIRE_MAP_SEEDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(24);
+        for seed in 0..seeds {
+            let dir = tempfile::tempdir().unwrap();
+            let mut c = open(dir.path());
+            let mut rng = Rng(seed * 1_000_003);
+            let mut follower = cmap::MapFollower::new();
+            let mut sent = None;
+            let ids: Vec<String> = (0..7).map(|i| format!("n{i}")).collect();
+            for _ in 0..70 {
+                let id = ids[rng.below(ids.len())].clone();
+                let inc = c.members.get(&id).map_or(0, |m| m.info.incarnation);
+                let op = rng.below(10);
+                let e0 = c.epoch;
+                match op {
+                    0 | 1 => {
+                        let mut r = reg(&id);
+                        r.capacity_bytes = (1 + rng.below(4) as u64) << 30;
+                        r.previous_incarnation = inc;
+                        let _ = c.register(r);
+                    }
+                    2 => {
+                        let _ = c.leave(&id, inc);
+                    }
+                    3 => {
+                        let _ = c.drain(&id);
+                    }
+                    4 => {
+                        let _ = c.undrain(&id);
+                    }
+                    5 => {
+                        let now = Instant::now();
+                        for m in c.members.values_mut() {
+                            if m.lease_deadline.is_some() {
+                                m.lease_deadline = Some(if m.info.node_id == id {
+                                    now
+                                } else {
+                                    now + Duration::from_secs(60)
+                                });
+                            }
+                        }
+                        c.expire_leases(now + Duration::from_millis(1)).unwrap();
+                    }
+                    6 => {
+                        // A round: every lease holder reports, most at the
+                        // current epoch (finishing handoffs).
+                        let live: Vec<(String, u64)> = c
+                            .members
+                            .values()
+                            .filter(|m| holds_lease(m.info.state()))
+                            .map(|m| (m.info.node_id.clone(), m.info.incarnation))
+                            .collect();
+                        for (id, inc) in live {
+                            let lag = u64::from(rng.below(5) == 0);
+                            let _ = c.heartbeat(HeartbeatRequest {
+                                node_id: id,
+                                incarnation: inc,
+                                applied_epoch: c.epoch.saturating_sub(lag),
+                                stats: None,
+                            });
+                        }
+                    }
+                    7 | 8 => {
+                        // Most nodes apply the current epoch, some lag one.
+                        let lag = u64::from(rng.below(4) == 0);
+                        let epoch = c.epoch.saturating_sub(lag);
+                        let _ = c.heartbeat(HeartbeatRequest {
+                            node_id: id,
+                            incarnation: inc,
+                            applied_epoch: epoch,
+                            stats: None,
+                        });
+                    }
+                    _ => {
+                        let before = (
+                            c.epoch,
+                            c.owner.clone(),
+                            c.previous.clone(),
+                            c.released.clone(),
+                        );
+                        drop(c);
+                        c = open(dir.path());
+                        assert_eq!(
+                            (
+                                c.epoch,
+                                c.owner.clone(),
+                                c.previous.clone(),
+                                c.released.clone()
+                            ),
+                            before,
+                            "a restart changed the map"
+                        );
+                        // A new stream after a restart starts with a full map.
+                        follower.reset();
+                        sent = None;
+                    }
+                }
+                let n = check_compact(&c, &mut follower, &mut sent);
+                if n > 0 {
+                    let o = c.compact.overrides.clone().unwrap();
+                    let e = o
+                        .released_extent
+                        .first()
+                        .or(o.previous_extent.first())
+                        .copied()
+                        .unwrap() as usize;
+                    let ids = c.ids();
+                    let per_set: Vec<(u64, u32)> = c
+                        .desc
+                        .sets
+                        .iter()
+                        .map(|(id, set)| {
+                            let cands: Vec<_> = set
+                                .iter()
+                                .map(|&(index, weight)| pagewire_proto::rendezvous::Candidate {
+                                    index,
+                                    node_id: ids[&index],
+                                    weight,
+                                })
+                                .collect();
+                            (*id, pagewire_proto::rendezvous::owner_of(e as u64, &cands))
+                        })
+                        .collect();
+                    panic!(
+                        "seed {seed}, op {op}, epoch {e0} -> {}: prev {} rel {} overrides; extent {e}: owner {} prev {:?} rel {:?} (override {:?}), owners by set {per_set:?}, desc {:?}, members {:?}",
+                        c.epoch,
+                        o.previous_extent.len(),
+                        o.released_extent.len(),
+                        c.owner[e],
+                        c.previous.get(e),
+                        c.released.get(e),
+                        o.released_node.first(),
+                        c.desc,
+                        c.members
+                            .values()
+                            .map(|m| (m.info.index, m.info.state, m.info.applied_epoch))
+                            .collect::<Vec<_>>()
+                    );
+                }
+                steps += 1;
+                handoffs += usize::from(!c.previous.is_empty());
+                releases += usize::from(!c.released.is_empty());
+            }
+        }
+        // The histories did exercise handoffs and releases.
+        assert!(
+            handoffs > steps / 10 && releases > steps / 10,
+            "{steps} {handoffs} {releases}"
+        );
+    }
+
+    /// A format 1 state file (expanded map, mid-handoff) loads into the
+    /// same arrays, and the compact map that replaces it expands to them.
+    #[test]
+    fn a_format_1_state_file_is_converted_on_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        c.register(reg("a")).unwrap();
+        c.register(reg("b")).unwrap();
+        c.register(reg("c")).unwrap();
+        assert!(!c.previous.is_empty(), "the map is mid-handoff");
+        let mut old = c.persisted();
+        old.compact = None;
+        old.map = Some(c.build_map());
+        let truth = (
+            c.epoch,
+            c.owner.clone(),
+            c.previous.clone(),
+            c.released.clone(),
+        );
+        drop(c);
+        crate::persist::save_as(&dir.path().join("state"), &old, 1).unwrap();
+        let mut c = open(dir.path());
+        assert_eq!(
+            (
+                c.epoch,
+                c.owner.clone(),
+                c.previous.clone(),
+                c.released.clone()
+            ),
+            truth
+        );
+        let mut follower = cmap::MapFollower::new();
+        let mut sent = None;
+        let n = check_compact(&c, &mut follower, &mut sent);
+        assert_eq!(
+            n,
+            c.previous.iter().filter(|&&p| p != 0).count(),
+            "without history, the handoff is carried as overrides"
+        );
+        // Finishing the handoff and one more epoch leave no override.
+        for id in ["a", "b", "c"] {
+            let inc = c.members[id].info.incarnation;
+            hb(&mut c, id, inc).unwrap();
+        }
+        assert!(c.previous.is_empty());
+        check_compact(&c, &mut follower, &mut sent);
+        for id in ["a", "b", "c"] {
+            let inc = c.members[id].info.incarnation;
+            hb(&mut c, id, inc).unwrap();
+        }
+        c.register(reg("d")).unwrap();
+        assert_eq!(check_compact(&c, &mut follower, &mut sent), 0);
+        // Saved as format 2 now.
+        let bytes = std::fs::read(dir.path().join("state")).unwrap();
+        assert_eq!(u32::from_le_bytes(bytes[4..8].try_into().unwrap()), 2);
+    }
+
+    /// proto/testdata/rendezvous-vectors.json, through the coordinator's own
+    /// path: members in state Alive with their capacities, a rebalance, the
+    /// owners it commits (and the compact map they expand from).
+    #[test]
+    fn the_rendezvous_test_vectors_hold_on_the_coordinator() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../proto/testdata/rendezvous-vectors.json"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let sets = v["sets"].as_array().unwrap();
+        assert!(sets.len() >= 5);
+        for s in sets {
+            let name = s["name"].as_str().unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let mut c = open(dir.path());
+            c.file_size = s["extent_count"].as_u64().unwrap() * c.params.extent_size;
+            for (k, cand) in s["candidates"].as_array().unwrap().iter().enumerate() {
+                let id = cand["node_id"].as_str().unwrap().to_owned();
+                let info = NodeInfo {
+                    node_id: id.clone(),
+                    index: cand["index"].as_u64().unwrap() as u32,
+                    capacity_bytes: cand["weight"].as_u64().unwrap(),
+                    // A member that is not alive is no candidate.
+                    state: NodeState::Alive.into(),
+                    ..Default::default()
+                };
+                c.members.insert(
+                    id,
+                    Member {
+                        info,
+                        lease_deadline: None,
+                    },
+                );
+                // A dead bystander changes nothing.
+                if k == 0 {
+                    let info = NodeInfo {
+                        node_id: "bystander".into(),
+                        index: 999_999,
+                        capacity_bytes: 1 << 40,
+                        state: NodeState::Dead.into(),
+                        ..Default::default()
+                    };
+                    c.members.insert(
+                        "bystander".into(),
+                        Member {
+                            info,
+                            lease_deadline: None,
+                        },
+                    );
+                }
+            }
+            c.rebalance("test vectors").unwrap();
+            let owners = if c.owner.is_empty() {
+                vec![0; s["extent_count"].as_u64().unwrap() as usize]
+            } else {
+                c.owner.clone()
+            };
+            let bytes: Vec<u8> = owners.iter().flat_map(|o| o.to_le_bytes()).collect();
+            let want = u64::from_str_radix(
+                s["owners_fnv1a64"]
+                    .as_str()
+                    .unwrap()
+                    .trim_start_matches("0x"),
+                16,
+            )
+            .unwrap();
+            assert_eq!(pagewire_proto::rendezvous::fnv1a(&bytes), want, "{name}");
+            for x in s["expect"].as_array().unwrap() {
+                let e = x["extent"].as_u64().unwrap() as usize;
+                assert_eq!(
+                    u64::from(owners[e]),
+                    x["owner"].as_u64().unwrap(),
+                    "{name}: {e}"
+                );
+            }
+            let m = Expander::default().expand(&c.compact_map()).unwrap();
+            assert_eq!(m.owner, c.owner, "{name}: compact");
+        }
     }
 }

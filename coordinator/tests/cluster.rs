@@ -295,7 +295,7 @@ impl Cluster {
         let port = self.port;
         rt().block_on(async move {
             let mut c = coord_client(port, Some(TOKEN)).await;
-            c.get_map(GetMapRequest {})
+            c.get_map(GetMapRequest::default())
                 .await
                 .expect("get_map")
                 .into_inner()

@@ -407,7 +407,7 @@ impl World {
         let port = self.coord_ports[i];
         rt().block_on(async move {
             let mut c = coord(port).await?;
-            c.get_map(GetMapRequest {})
+            c.get_map(GetMapRequest::default())
                 .await
                 .ok()
                 .map(|r| r.into_inner())

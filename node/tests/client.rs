@@ -227,7 +227,7 @@ impl Cluster {
     }
 
     fn map(&self) -> Option<OwnershipMap> {
-        self.coord_call(|mut c| async move { c.get_map(GetMapRequest {}).await })
+        self.coord_call(|mut c| async move { c.get_map(GetMapRequest::default()).await })
     }
 
     fn nodes(&self) -> Option<Vec<NodeInfo>> {

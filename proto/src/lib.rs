@@ -5,16 +5,19 @@
 //! the Rust code tonic/prost generate from them, and the plumbing every
 //! pagewire endpoint shares: the cluster token carried on every call
 //! ([`auth`]), TLS-aware channels ([`net`]), finding the leading coordinator and failing
-//! over between several ([`leader`]) and the plain-HTTP Prometheus
-//! endpoint ([`metrics_http`]).
+//! over between several ([`leader`]), the plain-HTTP Prometheus endpoint
+//! ([`metrics_http`]), and the ownership map's shared code: weighted
+//! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]).
 //!
 //! This crate depends on nothing of ours: the node, the coordinator, `pwctl`
 //! and the bench all build on it, never the other way round.
 
 pub mod auth;
 pub mod leader;
+pub mod map;
 pub mod metrics_http;
 pub mod net;
+pub mod rendezvous;
 
 /// Generated code of package `pagewire.v1`.
 #[allow(clippy::all, missing_docs)]

@@ -199,7 +199,7 @@ impl Cluster {
         )
         .await?;
         let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
-        let m = c.get_map(GetMapRequest {}).await?.into_inner();
+        let m = c.get_map(GetMapRequest::default()).await?.into_inner();
         let Some(node) = m.nodes.first() else {
             return Ok(None);
         };

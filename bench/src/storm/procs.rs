@@ -345,7 +345,7 @@ pub fn get_map(addr: &str, token: &str) -> anyhow::Result<OwnershipMap> {
     rt()?.block_on(async {
         let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
         let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
-        let m = tokio::time::timeout(Duration::from_secs(2), c.get_map(GetMapRequest {}))
+        let m = tokio::time::timeout(Duration::from_secs(2), c.get_map(GetMapRequest::default()))
             .await
             .context("GetMap timed out")??
             .into_inner();

@@ -174,6 +174,8 @@ struct Coordinator {
     /// Who answered the last `Status`, and its uptime (a smaller one from
     /// the same address: it restarted).
     last: Option<(String, u64)>,
+    /// Expands compact maps, keeping the last owner arrays.
+    expander: pagewire_proto::map::Expander,
 }
 
 /// A failed call: which, and the status (a timeout is `DEADLINE_EXCEEDED`).
@@ -252,7 +254,20 @@ impl Coordinator {
             });
         }
         let sent = Instant::now();
-        let map = self.timed("GetMap", c.get_map(GetMapRequest {})).await?;
+        let map = self
+            .timed("GetMap", c.get_map(GetMapRequest { compact: true }))
+            .await?;
+        // A compact map, expanded here with the shared code (an older
+        // coordinator's expanded one passes as it is).
+        let map = match map.compact {
+            Some(cm) => self.expander.expand(&cm).map_err(|e| {
+                (
+                    "GetMap",
+                    tonic::Status::data_loss(format!("an unusable map: {e}")),
+                )
+            })?,
+            None => map,
+        };
         self.fresh = false;
         Ok(Confirmed {
             map: Some(map),
@@ -300,6 +315,7 @@ impl MapFollower {
             cfg: cfg.clone(),
             fresh: true,
             last: None,
+            expander: Default::default(),
         };
         let first = rt
             .block_on(coord.poll(None))

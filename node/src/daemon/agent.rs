@@ -345,12 +345,18 @@ impl Agent {
 
     async fn watch_loop(self, generation: u64) {
         let mut backoff = Duration::from_millis(100);
+        // Compact maps and deltas, expanded here (shared code in proto).
+        let mut compact = pagewire_proto::map::MapFollower::new();
         loop {
+            compact.reset();
             let pick = self.coords.pick();
             let mut retry_now = false;
             match pick
                 .client()
-                .watch_map(WatchMapRequest { min_epoch: 0 })
+                .watch_map(WatchMapRequest {
+                    min_epoch: 0,
+                    compact: true,
+                })
                 .await
             {
                 Ok(resp) => {
@@ -358,8 +364,12 @@ impl Agent {
                     let mut stream = resp.into_inner();
                     let mut first = true;
                     loop {
-                        match stream.message().await {
-                            Ok(Some(map)) => {
+                        match stream.message().await.map(|m| m.map(|m| compact.apply(m))) {
+                            Ok(Some(Err(e))) => {
+                                tracing::warn!(error = %e, "unusable map; watching again");
+                                break;
+                            }
+                            Ok(Some(Ok(map))) => {
                                 // The first map of a stream is the coordinator's
                                 // current one: authoritative even if its epoch
                                 // went down (a coordinator started afresh).

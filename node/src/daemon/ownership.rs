@@ -217,6 +217,82 @@ mod tests {
 
     const FENCE: Duration = Duration::from_secs(1);
 
+    /// proto/testdata/rendezvous-vectors.json, through what the node does
+    /// with a compact map from its watch stream: expand it with the shared
+    /// code and take each extent's role from the view.
+    #[test]
+    fn the_rendezvous_test_vectors_hold_on_the_node() {
+        use pagewire_proto::v1::{CandidateSet, CompactMap, MapNode, NodeState};
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../proto/testdata/rendezvous-vectors.json"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let sets = v["sets"].as_array().unwrap();
+        assert!(sets.len() >= 5);
+        for s in sets {
+            let name = s["name"].as_str().unwrap();
+            let extents = s["extent_count"].as_u64().unwrap();
+            let nodes: Vec<MapNode> = s["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| MapNode {
+                    index: c["index"].as_u64().unwrap() as u32,
+                    node_id: c["node_id"].as_str().unwrap().to_owned(),
+                    weight: c["weight"].as_u64().unwrap(),
+                    state: NodeState::Alive.into(),
+                    ..Default::default()
+                })
+                .collect();
+            let compact = CompactMap {
+                epoch: 3,
+                file_size: extents * (2 << 20) - 1,
+                extent_size: 2 << 20,
+                page_size: 4096,
+                nodes: nodes.clone(),
+                sets: vec![CandidateSet {
+                    id: 3,
+                    ..Default::default()
+                }],
+                owner_set: 3,
+                ..Default::default()
+            };
+            let map = pagewire_proto::map::MapFollower::new()
+                .apply(OwnershipMap {
+                    epoch: 3,
+                    compact: Some(compact),
+                    ..Default::default()
+                })
+                .unwrap();
+            let bytes: Vec<u8> = map.owner.iter().flat_map(|o| o.to_le_bytes()).collect();
+            let want = u64::from_str_radix(
+                s["owners_fnv1a64"]
+                    .as_str()
+                    .unwrap()
+                    .trim_start_matches("0x"),
+                16,
+            )
+            .unwrap();
+            assert_eq!(pagewire_proto::rendezvous::fnv1a(&bytes), want, "{name}");
+            let now = Instant::now();
+            for x in s["expect"].as_array().unwrap() {
+                let e = x["extent"].as_u64().unwrap() as usize;
+                let owner = x["owner"].as_u64().unwrap() as u32;
+                for n in &nodes {
+                    let view = MapView::plan(None, map.clone(), n.index, 512, FENCE, now).view;
+                    let want = if n.index == owner {
+                        Role::Owner
+                    } else {
+                        Role::Other { owner }
+                    };
+                    assert_eq!(view.role(e), want, "{name}: extent {e}, node {}", n.index);
+                }
+            }
+        }
+    }
+
     #[test]
     fn an_extent_taken_from_a_dead_node_fences_its_writes() {
         let now = Instant::now();

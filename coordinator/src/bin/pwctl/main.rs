@@ -267,6 +267,12 @@ fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
     r
 }
 
+/// The expanded view of a `GetMap` answer: a compact map is expanded here
+/// with the shared code; an expanded one (older coordinator) passes as is.
+fn expand_map(map: OwnershipMap) -> anyhow::Result<OwnershipMap> {
+    Ok(pagewire_proto::map::MapFollower::new().apply(map)?)
+}
+
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     let ctx = &Ctx {
         token: token(&cli)?,
@@ -581,11 +587,14 @@ async fn list_nodes(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<Vec<NodeInfo>> {
     .nodes)
 }
 
+/// The map, expanded (it travels compact).
 async fn get_map(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<OwnershipMap> {
-    c.call("map", |mut c| async move {
-        c.get_map(req(ctx, GetMapRequest {})).await
-    })
-    .await
+    let map = c
+        .call("map", |mut c| async move {
+            c.get_map(req(ctx, GetMapRequest { compact: true })).await
+        })
+        .await?;
+    expand_map(map)
 }
 
 /// Parses a size: digits with an optional K, M, G or T suffix (powers of 1024).
