@@ -541,6 +541,7 @@ async fn simulate(
                 capacity_bytes: 2 << 30,
                 file_size: extents * EXTENT,
                 page_size: 4096,
+                compact_map: true,
                 ..Default::default()
             })
             .await?
@@ -549,7 +550,11 @@ async fn simulate(
         sim.latest.fetch_max(epoch, Ordering::Relaxed);
         let done = sim.wait_all_applied(epoch, limit).await?;
         join_ms.push((done - t0).as_secs_f64() * 1e3);
-        let handoff = r.map.as_ref().is_some_and(|m| !m.previous_owner.is_empty());
+        let handoff = r
+            .map
+            .as_ref()
+            .and_then(|m| m.compact.as_ref())
+            .is_some_and(|c| !c.handoff.is_empty());
         all.push((id.clone(), r.incarnation));
         tasks.push(spawn_member(id, r.incarnation, Duration::ZERO));
         if !handoff {

@@ -1109,6 +1109,7 @@ impl Cluster {
         m.info.applied_epoch = 0;
         m.lease_deadline = Some(now + lease);
         let index = m.info.index;
+        let compact_map = req.compact_map;
         tracing::info!(node = %req.node_id, index, incarnation, "node registered");
         self.metrics.registrations.inc();
         if !self.rebalance("node registered")? {
@@ -1120,7 +1121,16 @@ impl Cluster {
             incarnation,
             lease_ms: self.lease_ms(),
             heartbeat_interval_ms: self.heartbeat_interval_ms(),
-            map: Some((*self.map()).clone()),
+            map: Some(if compact_map {
+                let compact = self.compact_map();
+                OwnershipMap {
+                    epoch: compact.epoch,
+                    compact: Some((*compact).clone()),
+                    ..Default::default()
+                }
+            } else {
+                (*self.map()).clone()
+            }),
             policy: Some(self.policy),
         })
     }
@@ -1533,6 +1543,32 @@ mod tests {
             }),
             Err(CoordError::NotAlive { .. })
         ));
+    }
+
+    #[test]
+    fn a_registration_may_ask_for_the_map_compact() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        c.register(reg("a")).unwrap();
+        let full = c.register(reg("b")).unwrap().map.unwrap();
+        assert!(!full.owner.is_empty() && full.compact.is_none());
+        let compact = c
+            .register(RegisterRequest {
+                compact_map: true,
+                ..reg("c")
+            })
+            .unwrap()
+            .map
+            .unwrap();
+        assert!(compact.owner.is_empty(), "the expanded arrays were sent too");
+        let expanded = pagewire_proto::map::MapFollower::new()
+            .apply(compact)
+            .unwrap();
+        let now = c.map();
+        assert_eq!(
+            (expanded.epoch, &expanded.owner, &expanded.previous_owner),
+            (now.epoch, &now.owner, &now.previous_owner)
+        );
     }
 
     #[test]

@@ -730,10 +730,15 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
         handover.as_secs_f64()
     );
     w.start_coordinator(old);
-    w.wait_for("the restarted coordinator to follow", Duration::from_secs(30), |w| {
-        w.status(old)
-            .is_some_and(|s| s.role() == CoordinatorRole::Follower && s.store_problem.is_empty())
-    });
+    w.wait_for(
+        "the restarted coordinator to follow",
+        Duration::from_secs(30),
+        |w| {
+            w.status(old).is_some_and(|s| {
+                s.role() == CoordinatorRole::Follower && s.store_problem.is_empty()
+            })
+        },
+    );
     let leader = w.leader(&all).expect("leader");
     let map = w.wait_settled(leader, 3);
     assert!(

@@ -137,6 +137,7 @@ impl Agent {
             file_size: node.cache.backing().len(),
             page_size: u32::try_from(node.cache.page_size()).unwrap_or(u32::MAX),
             previous_incarnation: 0,
+            compact_map: true,
         };
         Ok(Self {
             node,
@@ -212,8 +213,16 @@ impl Agent {
                         .lease_len
                         .lock()
                         .unwrap_or_else(|e| e.into_inner()) = lease;
-                    if let Some(map) = r.map {
-                        self.apply_map(map, true, generation).await;
+                    // The map comes compact: expanded here (shared code).
+                    match r
+                        .map
+                        .map(|m| pagewire_proto::map::MapFollower::new().apply(m))
+                    {
+                        Some(Ok(map)) => self.apply_map(map, true, generation).await,
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "the registration's map is unusable; the map stream brings one");
+                        }
+                        None => {}
                     }
                     // The registration granted a lease for the map it carried.
                     self.node.lease.renew(sent, lease);
