@@ -1560,7 +1560,10 @@ mod tests {
             .unwrap()
             .map
             .unwrap();
-        assert!(compact.owner.is_empty(), "the expanded arrays were sent too");
+        assert!(
+            compact.owner.is_empty(),
+            "the expanded arrays were sent too"
+        );
         let expanded = pagewire_proto::map::MapFollower::new()
             .apply(compact)
             .unwrap();
