@@ -633,12 +633,10 @@ fn since(p: &Path) -> usize {
     std::fs::read_to_string(p).map_or(0, |s| s.len())
 }
 
-#[test]
-fn killing_the_leader_fails_over_and_the_map_goes_on() {
-    if !etcd_available() {
-        return;
-    }
-    let mut w = World::new("kill");
+/// Three etcd members, three coordinators, two settled nodes, and a reader
+/// that has read.
+fn started(name: &str) -> (World, Reader) {
+    let mut w = World::new(name);
     for i in 0..3 {
         w.start_coordinator(i);
     }
@@ -653,6 +651,16 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
     w.wait_for("the reader to read", Duration::from_secs(30), |_| {
         reader.ok() > 20
     });
+    (w, reader)
+}
+
+#[test]
+fn killing_the_leader_fails_over_and_the_map_goes_on() {
+    if !etcd_available() {
+        return;
+    }
+    let (mut w, reader) = started("kill");
+    let all = [0, 1, 2];
 
     let mut failover = Vec::new();
     for round in 0..5 {
@@ -780,20 +788,10 @@ fn a_leader_paused_past_its_lease_never_publishes_again() {
     if !etcd_available() {
         return;
     }
-    let mut w = World::new("pause");
-    for i in 0..3 {
-        w.start_coordinator(i);
-    }
+    let (w, reader) = started("pause");
     let all = [0, 1, 2];
-    w.wait_for("a leader", Duration::from_secs(30), |w| {
-        w.leader(&all).is_some()
-    });
-    w.start_node("node-a");
-    w.start_node("node-b");
     let old = w.leader(&all).expect("leader");
-    w.wait_settled(old, 2);
     let old_fence = w.history().last().expect("an epoch").1.fence;
-    let reader = Reader::start(w.coordinator_list());
 
     w.coords[old].signal("STOP");
     let others: Vec<usize> = all.iter().copied().filter(|&i| i != old).collect();
@@ -865,21 +863,8 @@ fn losing_etcd_quorum_stalls_map_changes_and_they_resume() {
     if !etcd_available() {
         return;
     }
-    let mut w = World::new("quorum");
-    for i in 0..3 {
-        w.start_coordinator(i);
-    }
+    let (mut w, reader) = started("quorum");
     let all = [0, 1, 2];
-    w.wait_for("a leader", Duration::from_secs(30), |w| {
-        w.leader(&all).is_some()
-    });
-    w.start_node("node-a");
-    w.start_node("node-b");
-    w.wait_settled(w.leader(&all).expect("leader"), 2);
-    let reader = Reader::start(w.coordinator_list());
-    w.wait_for("the reader to read", Duration::from_secs(30), |_| {
-        reader.ok() > 20
-    });
 
     // One member of three down: the coordinators keep working. If it was
     // etcd's own leader, etcd elects another (about a second), and a write
