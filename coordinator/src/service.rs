@@ -422,6 +422,22 @@ impl Coordinator for CoordinatorService {
         &self,
         _req: Request<ListNodesRequest>,
     ) -> Result<Response<ListNodesResponse>, Status> {
+        // The heartbeat fields (lease left, applied epoch, counters) live
+        // only on the leader: a follower that knows it sends the caller
+        // there, and answers from its own copy, without them, only when no
+        // leader is known.
+        if !self.shared.ha.is_leading()
+            && let Some(leader) = self.shared.ha.leader()
+        {
+            let s = pagewire_proto::leader::not_leading(
+                format!(
+                    "this coordinator does not lead; the leader is {leader}, which alone has the \
+                     nodes' heartbeat fields"
+                ),
+                Some(&leader),
+            );
+            return self.track("ListNodes", Err(s));
+        }
         let r = self
             .shared
             .confirmed()

@@ -753,6 +753,25 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
         map.owner.iter().all(|&o| o != 0),
         "an extent is left unowned"
     );
+    // A follower sends ListNodes to the leader, which alone has the
+    // heartbeat fields.
+    let follower = all
+        .iter()
+        .copied()
+        .find(|&i| i != leader)
+        .expect("a follower");
+    let port = w.coord_ports[follower];
+    let refused = rt()
+        .block_on(async move {
+            let mut c = coord(port).await.expect("connect");
+            c.list_nodes(ListNodesRequest {}).await
+        })
+        .expect_err("a follower answered ListNodes while a leader is known");
+    assert_eq!(
+        pagewire_proto::leader::leader_hint(&refused),
+        Some(format!("127.0.0.1:{}", w.coord_ports[leader])),
+        "{refused:?}"
+    );
     // Every coordinator serves the same map.
     for i in all {
         let m = w.map(i).expect("a follower's map");
