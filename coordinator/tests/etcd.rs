@@ -346,6 +346,21 @@ impl World {
         }
     }
 
+    /// Starts coordinator `i` again and waits until it follows, with its
+    /// copy of the state confirmed.
+    fn restart_coordinator(&mut self, i: usize) {
+        self.start_coordinator(i);
+        self.wait_for(
+            "the restarted coordinator to follow",
+            Duration::from_secs(30),
+            |w| {
+                w.status(i).is_some_and(|s| {
+                    s.role() == CoordinatorRole::Follower && s.store_problem.is_empty()
+                })
+            },
+        );
+    }
+
     fn start_node(&mut self, id: &str) {
         let log = self.path(&format!("{id}.log"));
         let child = Command::new(node_bin())
@@ -701,16 +716,7 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
             took.as_secs_f64(),
             st.epoch
         );
-        w.start_coordinator(old);
-        w.wait_for(
-            "the restarted coordinator to follow",
-            Duration::from_secs(30),
-            |w| {
-                w.status(old).is_some_and(|s| {
-                    s.role() == CoordinatorRole::Follower && s.store_problem.is_empty()
-                })
-            },
-        );
+        w.restart_coordinator(old);
     }
     // A leader stopped on purpose hands over at once: it revokes its lease.
     let old = w.leader(&all).expect("a leader");
@@ -725,28 +731,25 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
         handover < Duration::from_secs(TTL_S),
         "a SIGTERMed leader made the others wait out its lease ({handover:?})"
     );
-    let status = w.coords[old]
-        .child
-        .as_mut()
-        .expect("running")
-        .wait()
-        .expect("wait");
+    let exited = Instant::now();
+    let status = loop {
+        let child = w.coords[old].child.as_mut().expect("running");
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            exited.elapsed() < Duration::from_secs(10),
+            "the SIGTERMed coordinator did not exit within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(status.success(), "SIGTERM exit: {status:?}");
     w.coords[old].child = None;
     eprintln!(
         "SIGTERM of the leader: another led after {:.2} s",
         handover.as_secs_f64()
     );
-    w.start_coordinator(old);
-    w.wait_for(
-        "the restarted coordinator to follow",
-        Duration::from_secs(30),
-        |w| {
-            w.status(old).is_some_and(|s| {
-                s.role() == CoordinatorRole::Follower && s.store_problem.is_empty()
-            })
-        },
-    );
+    w.restart_coordinator(old);
     let leader = w.leader(&all).expect("leader");
     let map = w.wait_settled(leader, 3);
     assert!(
