@@ -52,6 +52,13 @@ struct Inner {
     applied_rev: i64,
 }
 
+impl Inner {
+    /// Leading, and (etcd) its session still valid at `now`.
+    fn leading(&self, now: Instant) -> bool {
+        self.role == CoordinatorRole::Leader && self.valid_until.is_none_or(|u| now < u)
+    }
+}
+
 /// What `Status` shows of the leadership.
 #[derive(Debug, Clone)]
 pub(crate) struct View {
@@ -108,16 +115,14 @@ impl Leadership {
 
     /// Whether this coordinator leads now.
     pub(crate) fn is_leading(&self) -> bool {
-        let i = self.lock();
-        i.role == CoordinatorRole::Leader && i.valid_until.is_none_or(|u| Instant::now() < u)
+        self.lock().leading(Instant::now())
     }
 
     /// `Ok` when this coordinator may serve a write now; otherwise the
     /// refusal that names the leader, if one is known.
     pub(crate) fn check_write(&self) -> Result<(), CoordError> {
         let i = self.lock();
-        let now = Instant::now();
-        if i.role == CoordinatorRole::Leader && i.valid_until.is_none_or(|u| now < u) {
+        if i.leading(Instant::now()) {
             return Ok(());
         }
         let leader = i.leader.clone().filter(|l| *l != self.me);
@@ -209,8 +214,7 @@ impl Leadership {
 
     pub(crate) fn view(&self) -> View {
         let i = self.lock();
-        let leading =
-            i.role == CoordinatorRole::Leader && i.valid_until.is_none_or(|u| Instant::now() < u);
+        let leading = i.leading(Instant::now());
         View {
             role: if i.role == CoordinatorRole::Leader && !leading {
                 CoordinatorRole::Candidate
