@@ -169,6 +169,15 @@ impl Drop for World {
     }
 }
 
+/// Slot `i` of `procs` (a restart) or the next one (a first start).
+fn put(procs: &mut Vec<Proc>, i: usize, proc: Proc) {
+    if i < procs.len() {
+        procs[i] = proc;
+    } else {
+        procs.push(proc);
+    }
+}
+
 type Coord = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
 
 fn rt() -> tokio::runtime::Runtime {
@@ -291,11 +300,7 @@ impl World {
             child: Some(child),
             log,
         };
-        if i < self.etcd.len() {
-            self.etcd[i] = proc;
-        } else {
-            self.etcd.push(proc);
-        }
+        put(&mut self.etcd, i, proc);
     }
 
     fn etcdctl(&self, args: &[&str]) -> std::process::Output {
@@ -339,11 +344,7 @@ impl World {
             child: Some(child),
             log,
         };
-        if i < self.coords.len() {
-            self.coords[i] = proc;
-        } else {
-            self.coords.push(proc);
-        }
+        put(&mut self.coords, i, proc);
     }
 
     /// Starts coordinator `i` again and waits until it follows, with its
