@@ -118,6 +118,22 @@ impl Leadership {
         self.lock().leading(Instant::now())
     }
 
+    /// Readiness (`/readyz`): `Ok` while this coordinator leads, or follows
+    /// a known leader with the store answering (it then serves maps and
+    /// redirects writes); otherwise why not.
+    pub(crate) fn readiness(&self) -> Result<(), String> {
+        let v = self.view();
+        if let Some((p, _)) = &self.lock().problem {
+            return Err(format!("state store: {p}"));
+        }
+        match (v.role, &v.leader) {
+            (CoordinatorRole::Leader, _) => Ok(()),
+            (CoordinatorRole::Follower, Some(_)) => Ok(()),
+            (_, Some(l)) => Err(format!("not leading; leader {l}")),
+            (_, None) => Err("no leader known yet".to_owned()),
+        }
+    }
+
     /// `Ok` when this coordinator may serve a write now; otherwise the
     /// refusal that names the leader, if one is known.
     pub(crate) fn check_write(&self) -> Result<(), CoordError> {
@@ -268,6 +284,25 @@ mod tests {
         assert!(l.check_write().is_err());
         assert_eq!(l.view().role, CoordinatorRole::Candidate);
         assert!(l.follow(None));
+    }
+
+    #[test]
+    fn ready_when_leading_or_following_a_known_leader_with_the_store_answering() {
+        assert_eq!(
+            Leadership::standalone("me:1".into(), "file:x".into()).readiness(),
+            Ok(())
+        );
+        let l = Leadership::candidate("me:1".into(), "etcd://x:1".into());
+        assert_eq!(l.readiness(), Err("no leader known yet".to_owned()));
+        let t = l.begin_term();
+        l.extend(Instant::now() + Duration::from_secs(5));
+        assert!(!l.follow(Some("other:2".into())));
+        assert_eq!(l.readiness(), Ok(()), "a follower of a known leader serves");
+        l.set_problem(Some("etcd unreachable".into()));
+        assert!(l.readiness().unwrap_err().contains("etcd unreachable"));
+        l.set_problem(None);
+        assert!(l.lead(l.begin_term(), 3) && t > 0);
+        assert_eq!(l.readiness(), Ok(()));
     }
 
     #[test]

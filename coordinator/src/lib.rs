@@ -289,9 +289,18 @@ pub async fn run(
         let l = bind(&cfg.metrics_listen).await?;
         metrics_addr = l.local_addr().ok();
         let m = metrics.clone();
+        let s = shared.clone();
         background.spawn(pagewire_proto::metrics_http::serve(
             l,
-            Arc::new(move || m.render()),
+            pagewire_proto::metrics_http::Routes {
+                metrics: Arc::new(move || m.render()),
+                ready: Arc::new(move || {
+                    if *s.stopping.borrow() {
+                        return Err("shutting down".to_owned());
+                    }
+                    s.ha.readiness()
+                }),
+            },
         ));
     }
     let tick = Duration::from_millis((cfg.lease_ms / 20).clamp(10, 500));
@@ -344,6 +353,17 @@ pub async fn run(
     let stopping = shared.clone();
     let fatal = tokio::spawn(async move {
         let r = shutdown.await;
+        // Persist before anything is handed over (a follower saves nothing).
+        if stopping.ha.is_leading() {
+            let epoch = {
+                let c = stopping.cluster();
+                c.persist_on_shutdown().map(|()| c.epoch())
+            };
+            match epoch {
+                Ok(epoch) => tracing::info!(epoch, "state persisted"),
+                Err(e) => tracing::error!(error = %e, "cannot persist the state on shutdown"),
+            }
+        }
         // Hand the leadership over first, at once rather than after the
         // lease TTL: the server then waits for open streams (WatchMap) to
         // end before it returns.

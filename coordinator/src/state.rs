@@ -747,6 +747,13 @@ impl Cluster {
         }
     }
 
+    /// Saves the state as it is, on shutdown (every change was saved when
+    /// it was made; this writes it once more so the last word on disk is
+    /// this process's).
+    pub(crate) fn persist_on_shutdown(&self) -> Result<(), CoordError> {
+        self.save()
+    }
+
     /// Saves without a new epoch (a registration, a policy, a drain that
     /// moved nothing).
     fn save(&self) -> Result<(), CoordError> {

@@ -47,12 +47,25 @@ use pagewire_proto::auth::AttachToken;
 use pagewire_proto::leader::{AfterFailure, Coordinators, CoordinatorsError};
 use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::{
-    HeartbeatRequest, LeaveRequest, NumaNode, OwnershipMap, RegisterRequest, Topology,
-    TransportDescriptor, WatchMapRequest,
+    DrainRequest, HeartbeatRequest, LeaveRequest, NumaNode, OwnershipMap, RegisterRequest,
+    Topology, TransportDescriptor, WatchMapRequest,
 };
 use tonic::Code;
 
 use super::{Config, DaemonError, Node};
+
+/// How [`Agent::drain`] ended.
+#[derive(Debug)]
+pub(crate) enum Drained {
+    /// The node serves no extent any more, after this long.
+    Done(Duration),
+    /// Not registered or no map applied: nothing to hand off.
+    NotServing,
+    /// The coordinator refused (the last alive node; not a member).
+    Refused(String),
+    /// The handoff did not finish in time.
+    TimedOut,
+}
 
 #[derive(Clone)]
 pub(crate) struct Agent {
@@ -438,6 +451,67 @@ impl Agent {
             low = p.low_watermark_percent,
             "policy applied"
         );
+    }
+
+    /// The planned half of a graceful shutdown: asks the coordinator to
+    /// drain this node (it names new owners and keeps this node as the
+    /// previous owner while they take over, so reads never lose a server),
+    /// then waits until the applied map has this node serve no extent.
+    /// Heartbeats and map application go on meanwhile (the agent still
+    /// runs). Bounded by `timeout`; says how it ended.
+    pub(crate) async fn drain(&self, timeout: Duration) -> Drained {
+        let start = Instant::now();
+        let end = start + timeout;
+        if self.node.index.load(Ordering::Relaxed) == 0 || self.node.view().is_none() {
+            return Drained::NotServing;
+        }
+        let req = DrainRequest {
+            node_id: self.node.node_id.clone(),
+        };
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Drained::TimedOut;
+            }
+            let mut r = tonic::Request::new(req.clone());
+            r.set_timeout(left.min(CALL_TIMEOUT));
+            let pick = self.coords.pick();
+            match pick.client().drain(r).await {
+                Ok(resp) => {
+                    self.coords.succeeded(&pick);
+                    let resp = resp.into_inner();
+                    tracing::info!(
+                        epoch = resp.map_epoch,
+                        extents = resp.extents_moved,
+                        "draining: the coordinator is moving this node's extents"
+                    );
+                    break;
+                }
+                Err(s) if s.code() == Code::FailedPrecondition || s.code() == Code::NotFound => {
+                    // The last alive node, or not a member (any more).
+                    return Drained::Refused(s.message().to_owned());
+                }
+                Err(s) => {
+                    if self.coords.failed(&pick, &s) != AfterFailure::RetryNow {
+                        tracing::warn!(coordinator = pick.address(), code = ?s.code(), message = s.message(), "drain request failed; retrying");
+                        tokio::time::sleep(backoff.min(left)).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+        }
+        loop {
+            let serving = self.node.view().map_or(0, |v| v.serving());
+            if serving == 0 {
+                return Drained::Done(start.elapsed());
+            }
+            if Instant::now() >= end {
+                tracing::warn!(serving, "drain timed out with extents still served");
+                return Drained::TimedOut;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Leaves the cluster on purpose (on shutdown), so extents move at once.

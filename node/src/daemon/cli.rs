@@ -1,5 +1,6 @@
 //! `pagewire-node`'s command line: flags over the config file, logging,
-//! the runtime, and shutdown on SIGTERM or Ctrl-C.
+//! the runtime, and shutdown on SIGTERM or Ctrl-C (the first drains and
+//! leaves, a second exits at once).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,7 +20,7 @@ struct Args {
     #[arg(long, short = 'c', env = "PAGEWIRE_NODE_CONFIG")]
     config: Option<PathBuf>,
     /// Node id (default: the host name).
-    #[arg(long)]
+    #[arg(long, env = "PAGEWIRE_NODE_ID")]
     node_id: Option<String>,
     /// The backing file this cluster caches.
     #[arg(long)]
@@ -27,8 +28,10 @@ struct Args {
     /// gRPC listen address (host:port).
     #[arg(long)]
     listen: Option<String>,
-    /// Address registered with the coordinator (default: the bound listen address).
-    #[arg(long)]
+    /// Address registered with the coordinator (default: the bound listen
+    /// address; for a wildcard listen, this host's address towards the
+    /// coordinator).
+    #[arg(long, env = "PAGEWIRE_ADVERTISE")]
     advertise: Option<String>,
     /// Prometheus /metrics listen address; "" disables it.
     #[arg(long)]
@@ -139,7 +142,10 @@ where
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(daemon::run(cfg, token, shutdown_signal())) {
+    match rt.block_on(async {
+        let signals = shutdown_signals();
+        daemon::run(cfg, token, signals).await
+    }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pagewire-node: {e}");
@@ -148,18 +154,24 @@ where
     }
 }
 
-async fn shutdown_signal() {
+/// One message per SIGTERM or Ctrl-C. Must be called inside the runtime.
+fn shutdown_signals() -> tokio::sync::mpsc::UnboundedReceiver<()> {
     use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    tokio::spawn(async move {
+        loop {
+            let got = tokio::select! {
+                Some(()) = async { term.as_mut()?.recv().await } => "SIGTERM",
+                Some(()) = async { int.as_mut()?.recv().await } => "SIGINT",
+                else => return,
+            };
+            tracing::info!(signal = got, "signal received");
+            if tx.send(()).is_err() {
+                return;
             }
         }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("shutting down");
+    });
+    rx
 }

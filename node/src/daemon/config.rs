@@ -22,6 +22,7 @@ pub(crate) struct Config {
     pub(crate) max_pages_per_call: u64,
     pub(crate) clock_drift_margin_ms: u64,
     pub(crate) leave_on_shutdown: bool,
+    pub(crate) shutdown_drain_timeout_ms: u64,
     pub(crate) log: String,
     pub(crate) cache: CacheSection,
     pub(crate) tls: TlsSection,
@@ -98,6 +99,7 @@ impl Default for Config {
             max_pages_per_call: 1024,
             clock_drift_margin_ms: 100,
             leave_on_shutdown: true,
+            shutdown_drain_timeout_ms: 20_000,
             log: "info".into(),
             cache: CacheSection::default(),
             tls: TlsSection::default(),
@@ -183,6 +185,12 @@ impl Config {
             return Err(invalid(
                 "clock_drift_margin_ms",
                 "must be at most 60000 (and below the coordinator's lease)",
+            ));
+        }
+        if self.shutdown_drain_timeout_ms > 3_600_000 {
+            return Err(invalid(
+                "shutdown_drain_timeout_ms",
+                "must be at most 3600000 (an hour)",
             ));
         }
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {

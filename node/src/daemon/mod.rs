@@ -77,6 +77,8 @@ pub(crate) struct Node {
     pub(crate) max_pages_per_call: u64,
     /// Wakes the heartbeat loop at once (after a map is applied).
     pub(crate) heartbeat_now: Notify,
+    /// Set when a graceful shutdown starts: `/readyz` answers 503 from then.
+    pub(crate) draining: std::sync::atomic::AtomicBool,
 }
 
 impl Node {
@@ -109,7 +111,29 @@ impl Node {
             registrations: AtomicU64::new(0),
             max_pages_per_call: cfg.max_pages_per_call,
             heartbeat_now: Notify::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Readiness (`/readyz`): registered, a map applied, the lease valid,
+    /// the transports serving, and not shutting down; otherwise why not.
+    pub(crate) fn readiness(&self) -> Result<(), String> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err("shutting down: draining".into());
+        }
+        if self.index.load(Ordering::Relaxed) == 0 {
+            return Err("not registered with the coordinator yet".into());
+        }
+        if self.applied_epoch() == 0 {
+            return Err("no ownership map applied".into());
+        }
+        if !self.lease.valid() {
+            return Err("no valid lease (no renewed heartbeat)".into());
+        }
+        if self.served.is_none() {
+            return Err("the region is not served".into());
+        }
+        Ok(())
     }
 
     pub(crate) fn view(&self) -> Option<Arc<MapView>> {
@@ -240,6 +264,64 @@ impl Node {
     }
 }
 
+/// The local address this host sends from towards the first coordinator
+/// (what a node listening on a wildcard address advertises): a UDP socket
+/// connected there, which sends nothing. Waits (up to a minute) while the
+/// coordinator's name does not resolve yet, as in a cluster whose DNS lists
+/// the coordinator only once it runs.
+async fn route_to_coordinator(coordinators: &[String]) -> Result<std::net::IpAddr, DaemonError> {
+    let first = coordinators.first().map(String::as_str).unwrap_or_default();
+    let target = first
+        .trim_start_matches("https://")
+        .trim_start_matches("http://")
+        .trim_end_matches('/');
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut warned = false;
+    loop {
+        let resolved = tokio::net::lookup_host(target).await.map(|mut a| a.next());
+        match resolved {
+            Ok(Some(addr)) => {
+                let any: SocketAddr = if addr.is_ipv4() {
+                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                };
+                let sock = std::net::UdpSocket::bind(any)
+                    .and_then(|s| s.connect(addr).map(|()| s))
+                    .and_then(|s| s.local_addr());
+                return sock.map(|a| a.ip()).map_err(|e| DaemonError::Config {
+                    key: "advertise",
+                    reason: format!(
+                        "empty with a wildcard listen address, and no route to the coordinator {addr} to take this host's address from: {e}; set advertise"
+                    ),
+                });
+            }
+            Ok(None) | Err(_) if Instant::now() < deadline => {
+                if !warned {
+                    tracing::warn!(
+                        coordinator = target,
+                        "the coordinator's address does not resolve yet; waiting to pick the address to advertise"
+                    );
+                    warned = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            other => {
+                return Err(DaemonError::Config {
+                    key: "advertise",
+                    reason: format!(
+                        "empty with a wildcard listen address, and the coordinator {target:?} did not resolve within a minute ({}); set advertise",
+                        match other {
+                            Err(e) => e.to_string(),
+                            _ => "no address".to_owned(),
+                        }
+                    ),
+                });
+            }
+        }
+    }
+}
+
 async fn bind(addr: &str) -> Result<TcpListener, DaemonError> {
     TcpListener::bind(addr)
         .await
@@ -249,15 +331,33 @@ async fn bind(addr: &str) -> Result<TcpListener, DaemonError> {
         })
 }
 
-/// Runs the daemon until `shutdown` completes (then leaves the cluster when
-/// configured to), or until the coordinator refuses it for good.
+/// Runs the daemon until the first message on `signals` (then, when
+/// configured to, drains and leaves the cluster: [`shutdown`]; a second
+/// message stops it at once), or until the coordinator refuses it for good.
 pub(crate) async fn run(
     cfg: Config,
     token: String,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    mut signals: tokio::sync::mpsc::UnboundedReceiver<()>,
 ) -> Result<(), DaemonError> {
     cfg.validate()?;
+    let mut cfg = cfg;
     let node_id = cfg.node_id();
+    // Bound first: the advertised address (and the tcp transport's, which
+    // takes its host) may depend on the port it got.
+    let grpc = bind(&cfg.listen).await?;
+    let grpc_addr: SocketAddr = grpc.local_addr().map_err(|source| DaemonError::Bind {
+        addr: cfg.listen.clone(),
+        source,
+    })?;
+    if cfg.advertise.is_empty() {
+        let ip = if grpc_addr.ip().is_unspecified() {
+            route_to_coordinator(&cfg.coordinators()?).await?
+        } else {
+            grpc_addr.ip()
+        };
+        cfg.advertise = SocketAddr::new(ip, grpc_addr.port()).to_string();
+        tracing::info!(advertise = %cfg.advertise, "advertising this address");
+    }
     let (cache, served) = {
         let (cfg, node_id, token) = (cfg.clone(), node_id.clone(), token.clone());
         tokio::task::spawn_blocking(move || transports::open(&cfg, &node_id, &token))
@@ -282,27 +382,22 @@ pub(crate) async fn run(
         tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");
     }
 
-    let grpc = bind(&cfg.listen).await?;
-    let grpc_addr: SocketAddr = grpc.local_addr().map_err(|source| DaemonError::Bind {
-        addr: cfg.listen.clone(),
-        source,
-    })?;
     let mut tasks = tokio::task::JoinSet::new();
     let mut metrics_addr = String::new();
     if !cfg.metrics_listen.is_empty() {
         let l = bind(&cfg.metrics_listen).await?;
         metrics_addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
         let registry = Arc::new(metrics::registry(node.clone()));
+        let ready = node.clone();
         tasks.spawn(pagewire_proto::metrics_http::serve(
             l,
-            Arc::new(move || metrics::render(&registry)),
+            pagewire_proto::metrics_http::Routes {
+                metrics: Arc::new(move || metrics::render(&registry)),
+                ready: Arc::new(move || ready.readiness()),
+            },
         ));
     }
-    let advertise = if cfg.advertise.is_empty() {
-        grpc_addr.to_string()
-    } else {
-        cfg.advertise.clone()
-    };
+    let advertise = cfg.advertise.clone();
 
     let attach = AttachToken::new(&token).map_err(|e| DaemonError::Config {
         key: "token",
@@ -374,20 +469,70 @@ pub(crate) async fn run(
     let outcome = tokio::select! {
         r = &mut serve => r.map_err(DaemonError::from),
         Some(e) = fatal_rx.recv() => Err(e),
-        () = shutdown => {
-            // Stop answering before the coordinator can move anything.
-            node.lease.revoke();
-            // No heartbeat or registration after this: leaving is final.
-            agent_task.abort();
-            if cfg.leave_on_shutdown {
-                agent.leave().await;
+        Some(()) = signals.recv() => {
+            tracing::info!("shutting down");
+            // The server keeps accepting while the drain runs: readers of
+            // extents in handoff still come here.
+            tokio::select! {
+                r = &mut serve => r.map_err(DaemonError::from),
+                () = shutdown(&node, &agent, agent_task, &cfg, &mut signals) => Ok(()),
             }
-            Ok(())
         }
     };
     let _ = stop_tx.send(());
     tasks.abort_all();
     outcome
+}
+
+/// The graceful shutdown: stop reporting ready, drain through a planned
+/// handoff (bounded by `shutdown_drain_timeout_ms`), stop answering, leave.
+/// A message on `signals` meanwhile cuts it short: the node stops at once
+/// (its extents then move when its lease runs out).
+async fn shutdown(
+    node: &Arc<Node>,
+    agent: &agent::Agent,
+    agent_task: tokio::task::AbortHandle,
+    cfg: &Config,
+    signals: &mut tokio::sync::mpsc::UnboundedReceiver<()>,
+) {
+    node.draining.store(true, Ordering::Relaxed);
+    if !cfg.leave_on_shutdown {
+        node.lease.revoke();
+        agent_task.abort();
+        return;
+    }
+    let graceful = async {
+        let timeout = Duration::from_millis(cfg.shutdown_drain_timeout_ms);
+        match agent.drain(timeout).await {
+            agent::Drained::Done(took) => {
+                tracing::info!(
+                    took_ms = took.as_millis() as u64,
+                    "drained: every extent handed over"
+                );
+            }
+            agent::Drained::NotServing => tracing::info!("nothing to hand over"),
+            agent::Drained::Refused(why) => {
+                tracing::warn!(%why, "the coordinator refused the drain; leaving without a handoff");
+            }
+            agent::Drained::TimedOut => tracing::warn!(
+                timeout_ms = cfg.shutdown_drain_timeout_ms,
+                "drain timed out; leaving with extents still served"
+            ),
+        }
+        // Stop answering before the coordinator can move anything more.
+        node.lease.revoke();
+        // No heartbeat or registration after this: leaving is final.
+        agent_task.abort();
+        agent.leave().await;
+    };
+    tokio::select! {
+        () = graceful => {}
+        Some(()) = signals.recv() => {
+            node.lease.revoke();
+            agent_task.abort();
+            tracing::warn!("second signal: exiting at once, without finishing the drain");
+        }
+    }
 }
 
 #[cfg(test)]

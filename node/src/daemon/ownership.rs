@@ -107,6 +107,14 @@ impl MapView {
         self.map.owner.iter().filter(|&&o| o == self.me).count() as u64
     }
 
+    /// Extents this node answers from its cache (owned outright or handed
+    /// off); 0 once a drain finished.
+    pub(crate) fn serving(&self) -> u64 {
+        (0..self.extents())
+            .filter(|&e| self.role(e).cached())
+            .count() as u64
+    }
+
     fn extents(&self) -> usize {
         self.map.owner.len()
     }
