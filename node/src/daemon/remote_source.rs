@@ -42,6 +42,8 @@ pub(crate) struct OneSided {
     pub(crate) stats: SourceStats,
     /// Reader counters of connections since closed, so totals only grow.
     retired: Mutex<ReaderStats>,
+    /// The last total [`OneSided::reader_stats`] computed.
+    last_total: Mutex<ReaderStats>,
 }
 
 impl OneSided {
@@ -52,21 +54,33 @@ impl OneSided {
             owners: Mutex::new(HashMap::new()),
             stats: SourceStats::default(),
             retired: Mutex::new(ReaderStats::default()),
+            last_total: Mutex::new(ReaderStats::default()),
         }
     }
 
     /// The one-sided reader's counters, over every connection so far.
+    ///
+    /// Never waits for `owners`: a read holds it across a connect and a
+    /// `FaultIn` (up to seconds, on the blocking pool), and this runs on the
+    /// runtime's workers (heartbeats, `Stats`, `/metrics`), which that
+    /// `FaultIn` needs to make progress; waiting here once deadlocked a node
+    /// under load. While a read holds it, the last total is returned again
+    /// (so totals still only grow).
     pub(crate) fn reader_stats(&self) -> ReaderStats {
-        let mut total = *self.retired.lock().unwrap_or_else(|e| e.into_inner());
-        for o in self
-            .owners
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
-            total.add(&o.reader.stats());
+        let mut last = self.last_total.lock().unwrap_or_else(|e| e.into_inner());
+        let owners = match self.owners.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(owners) = owners {
+            let mut total = *self.retired.lock().unwrap_or_else(|e| e.into_inner());
+            for o in owners.values() {
+                total.add(&o.reader.stats());
+            }
+            *last = total;
         }
-        total
+        *last
     }
 
     /// Drops the connection to `index`, keeping its counters.
