@@ -59,6 +59,9 @@
 //! READs after the owner closed with [`ReadError::ConnectionLost`]. An owner
 //! that dies without closing is noticed when a connection opens or maps a new
 //! region (its pid is gone); mapped bytes stay readable (frozen) until then.
+//! A new owner of the same name replaces a control file only when no process
+//! holds the `flock` every owner keeps on it for its lifetime (the pid alone
+//! cannot say: a restarted container's owner is PID 1 again).
 //!
 //! # Protocol
 //!
@@ -88,6 +91,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -164,6 +168,23 @@ fn pid_alive(pid: u32) -> bool {
     // SAFETY: kill with signal 0 only checks for existence and permission.
     let r = unsafe { libc::kill(pid, 0) };
     r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Whether a live owner holds the control file at `path`: every owner keeps
+/// an exclusive `flock` on it for its lifetime, and the kernel drops the
+/// lock when the process dies, however it dies. The pid in the file cannot
+/// tell alone: in a container the owner is often PID 1 in every
+/// incarnation, so a successor in a restarted container (with the shm
+/// directory kept, as a Kubernetes emptyDir is) would see its own pid and
+/// take the dead owner for a live one.
+fn ctl_locked(path: &Path) -> bool {
+    let Ok(f) = File::open(path) else {
+        return false;
+    };
+    // SAFETY: flock on a descriptor we own; no memory is involved. A shared
+    // lock we get is released when `f` closes, at the end of this function.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+    r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
 }
 
 /// Removes the region files a dead owner of `name` left behind (exactly
@@ -268,6 +289,10 @@ pub struct ShmOwner {
     dir: PathBuf,
     name: String,
     ctl: MmapMut,
+    /// The control file, open with an exclusive `flock` for as long as this
+    /// owner lives: what tells a successor that it is alive (see
+    /// [`ctl_locked`]).
+    _lock: File,
     incarnation: u64,
     closed: AtomicBool,
 }
@@ -312,6 +337,7 @@ impl ShmOwner {
         let path = ctl_path(dir, name);
         if let Ok(old) = open_ctl(&path)
             && old.live
+            && ctl_locked(&path)
         {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
@@ -334,7 +360,7 @@ impl ShmOwner {
             ),
         }
         let pid = std::process::id();
-        let (ctl, _file) = publish(&path, HEADER, false, |m| {
+        let (ctl, file) = publish(&path, HEADER, false, |m| {
             let base = m.as_mut_ptr();
             // SAFETY: `base` is a fresh one-page mapping.
             unsafe {
@@ -347,10 +373,21 @@ impl ShmOwner {
                 word(base, W_MAGIC).store(CTL_MAGIC, Ordering::Release);
             }
         })?;
+        // SAFETY: flock on a descriptor we own; no memory is involved.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "a live shm owner {name:?} exists (its control file is locked: {})",
+                    io::Error::last_os_error()
+                ),
+            ));
+        }
         Ok(Self {
             dir: dir.to_owned(),
             name: name.to_owned(),
             ctl,
+            _lock: file,
             incarnation,
             closed: AtomicBool::new(false),
         })

@@ -232,6 +232,31 @@ fn rewritten_by_another_process() {
     });
 }
 
+/// A dead owner's control file that names a live pid (ours, as a restarted
+/// container's PID 1 sees its predecessor's) is still replaced: no process
+/// holds its lock.
+#[test]
+fn a_dead_owner_with_a_reused_pid_is_replaced() {
+    conformance::bounded(30, || {
+        let dir = std::env::temp_dir().join(format!("pw-shm-reused-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let mut ctl = vec![0u8; 4096];
+        ctl[0..8].copy_from_slice(b"PWSHMCTL");
+        ctl[8..12].copy_from_slice(&1u32.to_le_bytes());
+        ctl[12..16].copy_from_slice(&std::process::id().to_le_bytes());
+        ctl[24..32].copy_from_slice(&1u64.to_le_bytes());
+        std::fs::write(dir.join("pagewire-node"), &ctl).expect("control file");
+        let owner = ShmOwner::create_in(&dir, "node").expect("replace the dead owner");
+        let again = ShmOwner::create_in(&dir, "node");
+        assert!(
+            again.is_err(),
+            "a live owner of this very process is replaced"
+        );
+        drop(owner);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
 /// An owner that died without closing leaves files; a new owner of the same
 /// name replaces its control file and removes its region files, and only
 /// those (another owner whose name extends this one keeps its files).

@@ -78,7 +78,7 @@ struct Cli {
     )]
     coordinator: String,
     /// File holding the cluster token (else PAGEWIRE_TOKEN).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, env = "PAGEWIRE_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// CA certificate (PEM) to verify the coordinator and nodes with; turns TLS on.
     #[arg(long, global = true)]
