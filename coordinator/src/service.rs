@@ -472,7 +472,8 @@ impl Coordinator for CoordinatorService {
 
     async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
         let r = self.shared.leading().and_then(|mut c| {
-            c.drain(&req.into_inner().node_id)
+            let req = req.into_inner();
+            c.drain(&req.node_id, req.incarnation)
                 .map(|(map_epoch, extents_moved)| DrainResponse {
                     map_epoch,
                     extents_moved,

@@ -1101,11 +1101,14 @@ impl Cluster {
                 lease_deadline: None,
             }
         });
-        // A restarted node keeps an operator's drain.
+        // A restarted node keeps an operator's drain, not the one its
+        // previous process started for its own shutdown (which a kill in
+        // the middle of it would otherwise leave behind for good).
         let state = match m.info.state() {
-            s @ (NodeState::Draining | NodeState::Drained) => s,
+            s @ (NodeState::Draining | NodeState::Drained) if m.info.drain_incarnation == 0 => s,
             _ => NodeState::Alive,
         };
+        m.info.drain_incarnation = 0;
         m.info.grpc_address = req.grpc_address;
         m.info.metrics_address = req.metrics_address;
         m.info.capacity_bytes = req.capacity_bytes;
@@ -1269,8 +1272,18 @@ impl Cluster {
     /// Starts moving every extent off `node_id`. Returns the new epoch and
     /// how many extents the node owned.
     /// Refused when no other alive node would be left to take its extents.
-    pub(crate) fn drain(&mut self, node_id: &str) -> Result<(u64, u64), CoordError> {
+    /// `incarnation` 0: an operator's drain, kept across the node's
+    /// restarts; else the node's own shutdown drain, which only that
+    /// incarnation may ask for and which ends when another registers.
+    pub(crate) fn drain(
+        &mut self,
+        node_id: &str,
+        incarnation: u64,
+    ) -> Result<(u64, u64), CoordError> {
         validate_node_id(node_id)?;
+        if incarnation != 0 {
+            self.member_checked(node_id, incarnation)?;
+        }
         let others_alive = self
             .members
             .values()
@@ -1287,8 +1300,16 @@ impl Cluster {
                     extents: self.owner.iter().filter(|&&o| o == index).count() as u64,
                 });
             }
-            NodeState::Alive => m.info.set_state(NodeState::Draining),
-            NodeState::Draining | NodeState::Drained => {}
+            NodeState::Alive => {
+                m.info.set_state(NodeState::Draining);
+                m.info.drain_incarnation = incarnation;
+            }
+            NodeState::Draining | NodeState::Drained => {
+                if incarnation == 0 {
+                    // The operator's now: it outlives the process.
+                    m.info.drain_incarnation = 0;
+                }
+            }
             s => {
                 return Err(CoordError::NotAlive {
                     node_id: node_id.to_owned(),
@@ -1311,6 +1332,7 @@ impl Cluster {
             .members
             .get_mut(node_id)
             .ok_or_else(|| CoordError::UnknownNode(node_id.to_owned()))?;
+        m.info.drain_incarnation = 0;
         match m.info.state() {
             NodeState::Draining | NodeState::Drained => m.info.set_state(NodeState::Alive),
             NodeState::Alive => {}
@@ -1539,7 +1561,7 @@ mod tests {
         assert_eq!(dead, vec!["b".to_owned()]);
         assert_eq!(count(&c, b.node_index), 0);
         assert!(!c.previous.contains(&b.node_index));
-        let (_, owned) = c.drain("a").unwrap();
+        let (_, owned) = c.drain("a", 0).unwrap();
         assert!(owned > 0);
         assert_eq!(count(&c, a.node_index), 0);
         assert!(matches!(
@@ -1550,6 +1572,41 @@ mod tests {
             }),
             Err(CoordError::NotAlive { .. })
         ));
+    }
+
+    #[test]
+    fn a_shutdown_drain_ends_with_its_process_and_an_operators_drain_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = open(dir.path());
+        let a = c.register(reg("a")).unwrap();
+        c.register(reg("b")).unwrap();
+        let state = |c: &Cluster| c.members["a"].info.state();
+        // Only the current incarnation may start its own shutdown drain.
+        assert!(matches!(
+            c.drain("a", a.incarnation + 100),
+            Err(CoordError::StaleIncarnation { .. })
+        ));
+        c.drain("a", a.incarnation).unwrap();
+        assert_eq!(state(&c), NodeState::Draining);
+        // Killed mid-drain and started again: the new process serves again.
+        let a2 = c.register(reg("a")).unwrap();
+        assert_eq!(state(&c), NodeState::Alive);
+        assert!(
+            count(&c, a2.node_index) > 0,
+            "the restarted node got no extents"
+        );
+        // The operator's drain outlives the process, and an operator's drain
+        // of a node draining for its shutdown becomes the operator's.
+        c.drain("a", a2.incarnation).unwrap();
+        c.drain("a", 0).unwrap();
+        c.register(reg("a")).unwrap();
+        assert_ne!(
+            state(&c),
+            NodeState::Alive,
+            "the operator's drain was dropped"
+        );
+        c.undrain("a").unwrap();
+        assert_eq!(state(&c), NodeState::Alive);
     }
 
     #[test]
@@ -1694,7 +1751,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut c = open(dir.path());
         let a = c.register(reg("a")).unwrap();
-        let e = c.drain("a").unwrap_err();
+        let e = c.drain("a", 0).unwrap_err();
         assert!(
             matches!(e, CoordError::NoNodeLeft { extents: 4096, .. }),
             "{e}"
@@ -1702,15 +1759,15 @@ mod tests {
         assert_eq!(c.members["a"].info.state(), NodeState::Alive);
         assert_eq!(count(&c, a.node_index), 4096);
         c.register(reg("b")).unwrap();
-        c.drain("a").unwrap();
-        let e = c.drain("b").unwrap_err();
+        c.drain("a", 0).unwrap();
+        let e = c.drain("b", 0).unwrap_err();
         assert!(e.to_string().contains("no alive node"), "{e}");
         assert_eq!(
             tonic::Status::from(e).code(),
             tonic::Code::FailedPrecondition
         );
         c.undrain("a").unwrap();
-        c.drain("b").unwrap();
+        c.drain("b", 0).unwrap();
     }
 
     #[test]
@@ -1722,7 +1779,7 @@ mod tests {
         let errors = [
             hb(&mut c, &huge, a.incarnation).unwrap_err(),
             c.leave(&huge, a.incarnation).unwrap_err(),
-            c.drain(&huge).unwrap_err(),
+            c.drain(&huge, 0).unwrap_err(),
             c.undrain(&huge).unwrap_err(),
             c.register(reg(&huge)).unwrap_err(),
             c.register(reg(&format!("{huge}!"))).unwrap_err(),
@@ -1756,7 +1813,7 @@ mod tests {
         }
         // An unknown (valid) id is echoed whole; nothing longer than 64
         // characters of any input is.
-        let e = tonic::Status::from(c.drain(&"y".repeat(128)).unwrap_err());
+        let e = tonic::Status::from(c.drain(&"y".repeat(128), 0).unwrap_err());
         assert_eq!(e.code(), tonic::Code::NotFound);
         assert!(
             e.message().contains(&format!("{}…", "y".repeat(64))),
@@ -1892,7 +1949,7 @@ mod tests {
                         let _ = c.leave(&id, inc);
                     }
                     3 => {
-                        let _ = c.drain(&id);
+                        let _ = c.drain(&id, 0);
                     }
                     4 => {
                         let _ = c.undrain(&id);

@@ -465,8 +465,12 @@ impl Agent {
         if self.node.index.load(Ordering::Relaxed) == 0 || self.node.view().is_none() {
             return Drained::NotServing;
         }
+        // Our incarnation: the drain ends with this process, so a restart
+        // after a kill mid-drain serves again (an operator's drain would
+        // stay).
         let req = DrainRequest {
             node_id: self.node.node_id.clone(),
+            incarnation: self.node.incarnation.load(Ordering::Relaxed),
         };
         let mut backoff = Duration::from_millis(100);
         loop {

@@ -119,6 +119,12 @@ enum Cmd {
         /// Wait up to this many seconds for the node to be drained.
         #[arg(long, default_value_t = 0)]
         wait: u64,
+        /// Drain only the node's running process (a pre-stop hook): the
+        /// drain ends when the node registers again, as its own SIGTERM
+        /// drain does. Without it the drain stays across restarts until
+        /// `pwctl undrain`.
+        #[arg(long)]
+        until_restart: bool,
     },
     /// Let a drained NODE take its share again.
     Undrain { node: String },
@@ -401,9 +407,26 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             let resp = range::run(&mut c, ctx, op, offset, length).await?;
             Ok(print_range_result(op.name(), &resp, ctx.json))
         }
-        Cmd::Drain { node, wait } => {
+        Cmd::Drain {
+            node,
+            wait,
+            until_restart,
+        } => {
+            let incarnation = if *until_restart {
+                let nodes = list_nodes(&mut c, ctx).await?;
+                match nodes.iter().find(|n| &n.node_id == node) {
+                    Some(n) if n.incarnation != 0 => n.incarnation,
+                    _ => {
+                        eprintln!("pwctl: {node} is not a registered node");
+                        return Ok(false);
+                    }
+                }
+            } else {
+                0
+            };
             let r = DrainRequest {
                 node_id: node.clone(),
+                incarnation,
             };
             let r = c
                 .call("drain", |mut c| {
@@ -452,6 +475,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         Cmd::Undrain { node } => {
             let r = DrainRequest {
                 node_id: node.clone(),
+                incarnation: 0,
             };
             let r = c
                 .call("undrain", |mut c| {
