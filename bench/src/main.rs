@@ -7,12 +7,14 @@
 //! and reports medians of repeated runs.
 
 mod bytes;
+mod genfile;
 mod insert;
 mod local;
 mod machine;
 mod mapscale;
 mod plot;
 mod policy;
+mod readloop;
 mod remote;
 mod report;
 mod storm;
@@ -60,6 +62,12 @@ enum Cmd {
     /// watchers on WatchMap (compact); map and delta bytes, join-to-applied
     /// time, coordinator CPU per heartbeat, beside the old expanded map.
     Mapscale(mapscale::Args),
+    /// Write a self-describing backing file (kept when one of that size is
+    /// already there).
+    Genfile(genfile::Args),
+    /// Read (and write) a running cluster's pages, every byte verified;
+    /// one JSON line of counts per interval (the compose scenarios' reader).
+    Readloop(readloop::Args),
     /// A reader process of `storm` (started by it; not for direct use).
     #[command(hide = true)]
     StormReader(storm::reader::ReaderArgs),
@@ -110,5 +118,7 @@ fn bench() -> anyhow::Result<()> {
         Cmd::Demo(a) => storm::demo(&a),
         Cmd::Mapscale(a) => mapscale::run(&a),
         Cmd::StormReader(a) => storm::reader::run(&a),
+        Cmd::Genfile(a) => genfile::run(&a),
+        Cmd::Readloop(a) => readloop::run(&a),
     }
 }
