@@ -1,0 +1,618 @@
+#!/usr/bin/env python3
+"""The compose cluster's fault scenarios (issue 9), every read verified.
+
+Brings up k8s/compose/docker-compose.yml (a coordinator, node-1..3 and the
+tools container, image pagewire:dev), waits until every node is ready, then
+runs, each under a read loop from the tools container (`pagewire-bench
+readloop`: one-sided tcp reads through ClusterClient, every byte checked
+against the self-describing file, writes so that a stale read is caught,
+and a prober that sweeps one page of every extent):
+
+  1 kill       `docker kill` a node: time until the coordinator's map no
+               longer names it, time until every extent is read again;
+               0 wrong and 0 stale reads. The node is started again.
+  2 rolling    `docker stop` (SIGTERM) and start each node in turn, waiting
+               for it to be ready before the next: 0 failed, 0 wrong, 0
+               stale reads; every node exits 0.
+  3 partition  `docker network disconnect` a node for longer than the lease,
+               then reconnect it: time until it is declared dead and its
+               extents have moved, time until it has rejoined after the
+               heal; 0 wrong and 0 stale reads.
+  4 pause      `docker pause` a node for longer than its lease, unpause: it
+               re-registers (a new incarnation), serves nothing stale
+               (0 wrong and 0 stale reads) and rejoins.
+  5 coordinator `docker restart` the coordinator: the same epoch and the same
+               owner of every extent before and after (and a lease later).
+
+Every wait has a timeout; the cluster is torn down at the end whatever
+happens (--keep leaves it up). Prints what each scenario covered and
+measured, then one JSON summary line (also --json-out FILE). Exit status: 0
+when every expectation held, 1 when one failed (a wrong or stale read among
+them), 2 on a usage or set-up error.
+
+  k8s/compose/scenarios.py [--only 1,3] [-f override.yml] [--keep]
+
+Python 3 standard library only; needs docker and docker-compose (1.29).
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMPOSE = os.path.join(HERE, "docker-compose.yml")
+TOKEN = "/etc/pagewire/token/token"
+NODES = ["node-1", "node-2", "node-3"]
+NODE_IP = {"node-1": "10.213.7.11", "node-2": "10.213.7.12", "node-3": "10.213.7.13"}
+NAMES = {1: "kill", 2: "rolling", 3: "partition", 4: "pause", 5: "coordinator"}
+
+
+class Failed(Exception):
+    """A set-up step failed (not an expectation of a scenario)."""
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd, timeout=60, check=True, quiet=False, both=False):
+    """Runs a command; returns its stdout (and stderr with `both`). Bounded by `timeout`."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise Failed(f"timed out after {timeout} s: {' '.join(cmd)}")
+    if check and p.returncode != 0:
+        raise Failed(
+            f"exit {p.returncode}: {' '.join(cmd)}\n{(p.stderr or p.stdout).strip()[-2000:]}"
+        )
+    if not quiet and p.returncode != 0:
+        log(f"(exit {p.returncode}) {' '.join(cmd)}: {p.stderr.strip()[-300:]}")
+    return p.stdout + p.stderr if both else p.stdout
+
+
+class Cluster:
+    def __init__(self, args):
+        self.args = args
+        self.base = ["docker-compose", "-p", args.project, "-f", COMPOSE]
+        for f in args.override:
+            self.base += ["-f", f]
+        self.base += ["--profile", "tools"]
+        self.ids = {}
+        self.network = None
+        self.lease_s = 3.0
+
+    def compose(self, *a, timeout=120, check=True):
+        env_cmd = self.base + list(a)
+        return run(env_cmd, timeout=timeout, check=check)
+
+    def up(self):
+        os.environ["PAGEWIRE_IMAGE"] = self.args.image
+        os.environ["PAGEWIRE_FILE_MIB"] = str(self.args.file_mib)
+        log(f"compose: down -v (a clean start), then up -d (project {self.args.project})")
+        self.compose("down", "-v", "--remove-orphans", "-t", "5", timeout=120)
+        self.compose("up", "-d", timeout=180)
+        for s in ["pagewire-coordinator", "tools"] + NODES:
+            cid = self.compose("ps", "-q", s, timeout=30).strip()
+            if not cid:
+                raise Failed(f"compose started no container for {s}")
+            self.ids[s] = cid
+        nets = json.loads(
+            run(["docker", "inspect", "-f", "{{json .NetworkSettings.Networks}}", self.ids["node-1"]])
+        )
+        self.network = next(iter(nets))
+
+    def down(self):
+        if self.args.keep:
+            log(f"--keep: the cluster stays up (project {self.args.project})")
+            return
+        log("compose: down -v")
+        try:
+            self.compose("down", "-v", "--remove-orphans", "-t", "5", timeout=120, check=False)
+        except Failed as e:
+            log(f"teardown: {e}")
+
+    def logs(self, services, tail=40):
+        try:
+            return self.compose("logs", "--no-color", "--tail", str(tail), *services, timeout=30, check=False)
+        except Failed as e:
+            return str(e)
+
+    def docker(self, *a, timeout=60, check=True, both=False):
+        return run(["docker", *a], timeout=timeout, check=check, both=both)
+
+    def tools(self, *a, timeout=15, check=True):
+        return self.docker("exec", self.ids["tools"], *a, timeout=timeout, check=check)
+
+    def map(self):
+        """`pwctl map --json --extents`, or None when the coordinator does not answer."""
+        try:
+            out = self.tools("pwctl", "--token-file", TOKEN, "--timeout-ms", "1000",
+                             "map", "--json", "--extents", timeout=10, check=False)
+            return json.loads(out) if out.strip() else None
+        except (Failed, ValueError):
+            return None
+
+    def nodes(self):
+        try:
+            out = self.tools("pwctl", "--token-file", TOKEN, "--timeout-ms", "1000",
+                             "nodes", "--json", timeout=10, check=False)
+            return {n["node_id"]: n for n in json.loads(out)} if out.strip() else None
+        except (Failed, ValueError):
+            return None
+
+    def health(self, service):
+        out = self.docker("inspect", "-f", "{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{end}}",
+                          self.ids[service], check=False).split()
+        return out + [""] * (2 - len(out))
+
+    def wait(self, what, pred, timeout, every=0.2):
+        """Polls pred() until it is truthy; returns (value, seconds). Raises on timeout."""
+        t0 = time.time()
+        while True:
+            v = pred()
+            if v:
+                return v, time.time() - t0
+            if time.time() - t0 > timeout:
+                raise Failed(f"timed out after {timeout} s waiting for {what}")
+            time.sleep(every)
+
+    def settled(self, m, alive=NODES):
+        """The map names every node of `alive` alive with extents, none unowned or in handoff."""
+        if not m or m.get("unowned") or m.get("in_handoff"):
+            return False
+        by = {n["node_id"]: n for n in m["nodes"]}
+        return all(by.get(x, {}).get("state") == "alive" and by[x]["extents"] > 0 for x in alive)
+
+    def ready(self, services):
+        return all(self.health(s)[1] == "healthy" for s in services)
+
+    def rejoin(self, node, timeout=60, stuck_s=None):
+        """Waits until `node` is ready and the map settled with it alive and
+        owning extents. A node that stays `drained` (0 extents) for longer
+        than a lease and a half fails at once: it will not rejoin by itself."""
+        stuck_s = stuck_s or self.lease_s * 1.5 + 2
+        seen = {}
+
+        def pred():
+            if self.health(node)[0] in ("exited", "dead"):
+                raise Failed(f"{node} exited:\n{self.logs([node], tail=15)}")
+            m = self.map()
+            n = owner_of(m, node)
+            if n and n["state"] == "drained":
+                t = seen.setdefault("drained", time.time())
+                if time.time() - t > stuck_s:
+                    raise Failed(f"{node} came back {n['state']} with {n['extents']} extents and stayed so "
+                                 f"for {stuck_s:.1f} s: the coordinator kept the drain of its previous "
+                                 f"incarnation (pwctl undrain {node} would give it extents again)")
+            else:
+                seen.pop("drained", None)
+            return self.ready([node]) and self.settled(m)
+        return self.wait(f"{node} ready, alive with extents, the map settled", pred, timeout, every=0.3)
+
+    def repair(self):
+        """After a failed scenario: every container running, drained nodes undrained."""
+        for s in ["pagewire-coordinator"] + NODES:
+            st = self.health(s)[0]
+            if st == "paused":
+                self.docker("unpause", self.ids[s], check=False)
+            elif st != "running":
+                self.docker("start", self.ids[s], check=False)
+        if self.network:
+            for n in NODES:
+                nets = self.docker("inspect", "-f", "{{json .NetworkSettings.Networks}}", self.ids[n], check=False)
+                if self.network not in nets:
+                    self.docker("network", "connect", "--ip", NODE_IP[n], "--alias", n, self.network,
+                                self.ids[n], check=False)
+        time.sleep(self.lease_s)
+        m = self.map()
+        for n in (m or {}).get("nodes", []):
+            if n["state"] == "drained":
+                log(f"repair: pwctl undrain {n['node_id']}")
+                self.tools("pwctl", "--token-file", TOKEN, "undrain", n["node_id"], check=False)
+
+    def wait_cluster(self, timeout=120):
+        def whole():
+            for s in ["pagewire-coordinator"] + NODES:
+                if self.health(s)[0] in ("exited", "dead"):
+                    raise Failed(f"{s} exited:\n{self.logs([s], tail=15)}")
+            return self.ready(["pagewire-coordinator"] + NODES) and self.settled(self.map())
+        _, s = self.wait("every container healthy and the map settled", whole, timeout, every=0.5)
+        return s
+
+
+def owner_of(m, node):
+    return next((n for n in m["nodes"] if n["node_id"] == node), None) if m else None
+
+
+def names(m, node):
+    """The map still gives `node` extents (or has it hand some off), or leaves some unowned."""
+    n = owner_of(m, node)
+    return m.get("unowned", 0) > 0 or (bool(n) and (n["extents"] > 0 or n["handing_off"] > 0))
+
+
+def fault(c, res, *cmd):
+    """Runs the docker command of a fault; returns when it returned (it is in effect)."""
+    t = time.time()
+    c.docker(*cmd)
+    res["timings"]["docker_cmd_s"] = round(time.time() - t, 2)
+    return time.time()
+
+
+class ReadLoop:
+    """`pagewire-bench readloop` in the tools container; its ticks as they come."""
+
+    def __init__(self, c, args):
+        cmd = ["docker", "exec", "-i", c.ids["tools"], "pagewire-bench", "readloop",
+               "--token-file", TOKEN, "--transport", "tcp", "--until-eof",
+               "--seconds", str(args.readloop_max_s), "--interval-ms", "200",
+               "--threads", "2", "--read-rate", str(args.read_rate),
+               "--writers", "1", "--write-rate", str(args.write_rate),
+               "--op-deadline-ms", "10000", "--probe-deadline-ms", "250"]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        self.ticks, self.final, self.err = [], None, []
+        self.lock = threading.Lock()
+        self.t_out = threading.Thread(target=self._out, daemon=True)
+        self.t_err = threading.Thread(target=self._err, daemon=True)
+        self.t_out.start()
+        self.t_err.start()
+
+    def _out(self):
+        for line in self.p.stdout:
+            try:
+                v = json.loads(line)
+            except ValueError:
+                continue
+            with self.lock:
+                if "tick" in v:
+                    self.ticks.append(v["tick"])
+                elif "final" in v:
+                    self.final = v["final"]
+
+    def _err(self):
+        for line in self.p.stderr:
+            self.err.append(line.rstrip())
+
+    def flowing(self, since_ms, reads=20):
+        with self.lock:
+            return sum(t["ok"] for t in self.ticks if t["unix_ms"] > since_ms) >= reads
+
+    def stop(self, timeout=30):
+        try:
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait(timeout=10)
+        self.t_out.join(timeout=5)
+        return self.p.returncode
+
+    def sweeps_after(self, ms):
+        """(start, end) of the first clean sweep that started at or after `ms`."""
+        with self.lock:
+            for t in self.ticks:
+                for s, e in t["sweeps"]:
+                    if s >= ms:
+                        return s, e
+        return None
+
+    def summary(self, from_ms=0):
+        with self.lock:
+            ts = [t for t in self.ticks if t["unix_ms"] >= from_ms]
+        tot = {k: sum(t[k] for t in ts) for k in ["ok", "err", "wrong", "stale", "wr", "wr_err"]}
+        tot["max_read_ms"] = max((t["max_ms"] for t in ts), default=0.0)
+        samples = [s for t in ts for s in t["samples"]]
+        tot["samples"] = samples[:5]
+        return tot
+
+
+def ms(t):
+    return int(t * 1000)
+
+
+class Runner:
+    def __init__(self, c, args):
+        self.c, self.args = c, args
+        self.results = []
+
+    def scenario(self, num, body):
+        name = NAMES[num]
+        log(f"scenario {num} ({name}): start")
+        res = {"scenario": num, "name": name, "ok": False, "expect": [], "timings": {}}
+        rl = ReadLoop(self.c, self.args)
+        t_start = time.time()
+        try:
+            self.c.wait("the read loop to read", lambda: rl.flowing(ms(t_start)), 30)
+            time.sleep(self.args.settle_s)
+            body(rl, res)
+            time.sleep(self.args.settle_s)
+        except Failed as e:
+            res["error"] = str(e)
+            log(f"scenario {num} ({name}): {e}")
+        finally:
+            rc = rl.stop()
+        reads = rl.summary()
+        fin = rl.final or {}
+        res["reads"] = reads
+        res["readloop"] = {k: fin.get(k) for k in ["reads", "errors", "wrong", "stale", "writes", "write_errors",
+                                                     "clean_sweeps", "one_sided", "fault_ins", "retries",
+                                                     "reconnects", "first_error", "first_wrong"]}
+        res["readloop"]["exit"] = rc
+        if rl.final is None:
+            res["expect"].append(["the read loop ended with its totals", False,
+                                  "; ".join(rl.err[-5:]) or f"exit {rc}"])
+        wrong = fin.get("wrong", reads["wrong"]) or 0
+        stale = fin.get("stale", reads["stale"]) or 0
+        res["expect"].append(["0 wrong reads", wrong == 0, wrong])
+        res["expect"].append(["0 stale reads", stale == 0, stale])
+        res["ok"] = "error" not in res and all(e[1] for e in res["expect"])
+        if not res["ok"]:
+            res["logs"] = self.c.logs(["pagewire-coordinator"] + NODES, tail=30)
+        self.results.append(res)
+        tm = "  ".join(f"{k}={v}" for k, v in res["timings"].items())
+        log(f"scenario {num} ({name}): {'ok' if res['ok'] else 'FAILED'}  {tm}  reads ok={reads['ok']} "
+            f"failed={reads['err']} wrong={wrong} stale={stale} writes={reads['wr']} write_errors={reads['wr_err']}")
+        for e in res["expect"]:
+            if not e[1]:
+                log(f"    expectation failed: {e[0]} (got {e[2]})")
+        # Whatever happened, the next scenario starts from a whole cluster.
+        try:
+            self.c.wait_cluster(timeout=30)
+        except Failed as e:
+            log(f"after scenario {num}: the cluster is not whole ({str(e).splitlines()[0]}); repairing")
+            self.c.repair()
+            try:
+                self.c.wait_cluster(timeout=45)
+            except Failed as e2:
+                raise Failed(f"after scenario {num}: the cluster did not come back whole: {e2}")
+
+    def expect(self, res, what, ok, got):
+        res["expect"].append([what, bool(ok), got])
+
+    def applied(self, res, node):
+        """Waits until `node` reports (in a heartbeat) the coordinator's current epoch."""
+        c = self.c
+        def current():
+            m, n = c.map(), (c.nodes() or {}).get(node)
+            return m and n and n.get("applied_epoch") == m["epoch"] and (n["applied_epoch"],)
+        try:
+            v, s = c.wait(f"{node} to apply the current map", current, timeout=15, every=0.3)
+            self.expect(res, f"{node} applied the current epoch after it rejoined", True, v[0])
+        except Failed as e:
+            self.expect(res, f"{node} applied the current epoch after it rejoined", False, str(e))
+
+    # 1: docker kill a node.
+    def kill(self, rl, res):
+        c, node, lease = self.c, "node-2", self.c.lease_s
+        t0 = fault(c, res, "kill", c.ids[node])
+        m, _ = c.wait(f"the map to drop {node}", lambda: (lambda m: m and not names(m, node) and m)(c.map()),
+                      timeout=lease * 4 + 10)
+        t_moved = time.time()
+        res["timings"]["reassigned_s"] = round(t_moved - t0, 2)
+        sw, _ = c.wait("a clean sweep of every extent", lambda: rl.sweeps_after(ms(t0)), timeout=30)
+        res["timings"]["all_extents_served_s"] = round(sw[1] / 1000 - t0, 2)
+        self.expect(res, f"reassigned within the lease (+1 s for the lease check and this poll: {lease + 1:.1f} s)",
+                    t_moved - t0 <= lease + 1, res["timings"]["reassigned_s"])
+        time.sleep(1)
+        t1 = time.time()
+        c.docker("start", c.ids[node])
+        c.rejoin(node)
+        res["timings"]["restart_to_rejoined_s"] = round(time.time() - t1, 2)
+
+    # 2: rolling restart with SIGTERM.
+    def rolling(self, rl, res):
+        c = self.c
+        t0 = time.time()
+        start_ms = ms(t0)
+        for node in NODES:
+            t = time.time()
+            c.docker("stop", "-t", str(self.args.stop_timeout), c.ids[node], timeout=self.args.stop_timeout + 30)
+            res["timings"][f"{node}_stop_s"] = round(time.time() - t, 2)
+            code = c.docker("inspect", "-f", "{{.State.ExitCode}}", c.ids[node]).strip()
+            self.expect(res, f"{node} exits 0 on SIGTERM", code == "0", code)
+            said = [l.split("  ", 1)[-1][:160] for l in c.docker(
+                "logs", "--since", str(int(t - 1)), c.ids[node], check=False, both=True).splitlines()
+                if "drain" in l or "hand over" in l]
+            self.expect(res, f"{node} drained through a planned handoff",
+                        any("every extent handed over" in l for l in said), said[-1:] or "no drain in its log")
+            t = time.time()
+            c.docker("start", c.ids[node])
+            c.rejoin(node)
+            res["timings"][f"{node}_ready_s"] = round(time.time() - t, 2)
+        res["timings"]["total_s"] = round(time.time() - t0, 2)
+        time.sleep(1)
+        r = rl.summary(start_ms)
+        self.expect(res, "0 failed reads during the rolling restart", r["err"] == 0, r["err"])
+
+    # 3: network partition.
+    def partition(self, rl, res):
+        c, node, lease = self.c, "node-2", self.c.lease_s
+        before = (c.nodes() or {}).get(node, {}).get("incarnation")
+        t0 = fault(c, res, "network", "disconnect", c.network, c.ids[node])
+        m, _ = c.wait(f"{node} declared dead and its extents moved",
+                      lambda: (lambda m: m and not names(m, node) and owner_of(m, node)
+                               and owner_of(m, node)["state"] != "alive" and m)(c.map()),
+                      timeout=lease * 4 + 10)
+        res["timings"]["declared_dead_s"] = round(time.time() - t0, 2)
+        self.expect(res, f"declared dead within the lease (+1 s for the lease check and this poll: {lease + 1:.1f} s)",
+                    time.time() - t0 <= lease + 1, res["timings"]["declared_dead_s"])
+        sw, _ = c.wait("a clean sweep of every extent", lambda: rl.sweeps_after(ms(t0)), timeout=30)
+        res["timings"]["all_extents_served_s"] = round(sw[1] / 1000 - t0, 2)
+        hold = max(0.0, t0 + 2 * lease + 1 - time.time())
+        time.sleep(hold)
+        res["timings"]["cut_for_s"] = round(time.time() - t0, 2)
+        t1 = time.time()
+        c.docker("network", "connect", "--ip", NODE_IP[node], "--alias", node, c.network, c.ids[node])
+        c.rejoin(node)
+        res["timings"]["rejoined_after_heal_s"] = round(time.time() - t1, 2)
+        self.applied(res, node)
+        after = (c.nodes() or {}).get(node, {}).get("incarnation")
+        res["timings"]["incarnation"] = f"{before}->{after}"
+        self.expect(res, f"{node} registered again (a new incarnation)", after is not None and after != before,
+                    f"{before}->{after}")
+
+    # 4: pause past the lease.
+    def pause(self, rl, res):
+        c, node, lease = self.c, "node-3", self.c.lease_s
+        before = (c.nodes() or {}).get(node, {}).get("incarnation")
+        t0 = fault(c, res, "pause", c.ids[node])
+        try:
+            c.wait(f"{node} declared dead and its extents moved",
+                   lambda: (lambda m: m and not names(m, node) and m)(c.map()), timeout=lease * 4 + 10)
+            res["timings"]["declared_dead_s"] = round(time.time() - t0, 2)
+            self.expect(res, f"declared dead within the lease (+1 s for the lease check and this poll: {lease + 1:.1f} s)",
+                        time.time() - t0 <= lease + 1, res["timings"]["declared_dead_s"])
+            sw, _ = c.wait("a clean sweep of every extent", lambda: rl.sweeps_after(ms(t0)), timeout=30)
+            res["timings"]["all_extents_served_s"] = round(sw[1] / 1000 - t0, 2)
+            # Frozen well past the lease, while the writes go to the new owners.
+            time.sleep(max(0.0, t0 + 2 * lease + 2 - time.time()))
+        finally:
+            res["timings"]["paused_for_s"] = round(time.time() - t0, 2)
+            c.docker("unpause", c.ids[node])
+        t1 = time.time()
+        c.rejoin(node)
+        res["timings"]["rejoined_after_unpause_s"] = round(time.time() - t1, 2)
+        self.applied(res, node)
+        after = (c.nodes() or {}).get(node, {}).get("incarnation")
+        res["timings"]["incarnation"] = f"{before}->{after}"
+        self.expect(res, f"{node} noticed its lost lease and registered again (a new incarnation)",
+                    after is not None and after != before, f"{before}->{after}")
+        logs = c.docker("logs", "--since", str(int(t1 - 1)), c.ids[node], check=False, timeout=20, both=True)
+        res["node_log_after_unpause"] = [l for l in (logs or "").splitlines()
+                                         if "lease" in l or "register" in l][:6]
+
+    # 5: coordinator restart.
+    def coordinator(self, rl, res):
+        c, lease = self.c, self.c.lease_s
+        before = c.map()
+        if not before:
+            raise Failed("no map before the restart")
+        t0 = time.time()
+        c.docker("restart", "-t", "10", c.ids["pagewire-coordinator"], timeout=60)
+        res["timings"]["docker_restart_s"] = round(time.time() - t0, 2)
+        after, _ = c.wait("the coordinator to answer again", c.map, timeout=60)
+        res["timings"]["map_served_after_s"] = round(time.time() - t0, 2)
+        c.wait("the coordinator ready", lambda: c.ready(["pagewire-coordinator"]), timeout=60)
+        res["timings"]["ready_after_s"] = round(time.time() - t0, 2)
+        time.sleep(lease * 1.5)
+        later = c.map()
+        strip = lambda m: {"epoch": m["epoch"], "runs": m.get("runs"),
+                           "nodes": sorted((n["node_id"], n["state"], n["extents"]) for n in m["nodes"])}
+        b, a, l = strip(before), strip(after), strip(later) if later else None
+        res["timings"]["epoch"] = f"{b['epoch']}->{a['epoch']}->{l['epoch'] if l else None}"
+        self.expect(res, "same epoch after the restart", a["epoch"] == b["epoch"], res["timings"]["epoch"])
+        self.expect(res, "same owner of every extent after the restart", a["runs"] == b["runs"],
+                    "same" if a["runs"] == b["runs"] else "differs")
+        self.expect(res, "same epoch and owners a lease and a half later", l == b,
+                    "same" if l == b else (l and l["epoch"]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--project", default="pagewire-scenarios", help="compose project name")
+    ap.add_argument("--image", default=os.environ.get("PAGEWIRE_IMAGE", "pagewire:dev"))
+    ap.add_argument("-f", "--override", action="append", default=[], help="an extra compose file")
+    ap.add_argument("--only", default="1,2,3,4,5", help="scenarios to run, e.g. 1,3")
+    ap.add_argument("--file-mib", type=int, default=256)
+    ap.add_argument("--read-rate", type=float, default=400, help="reads/s of each of the 2 read threads")
+    ap.add_argument("--write-rate", type=float, default=50, help="writes/s of the writer")
+    ap.add_argument("--stop-timeout", type=int, default=30, help="docker stop -t (above the node's drain timeout)")
+    ap.add_argument("--settle-s", type=float, default=2.0, help="reads before and after each fault")
+    ap.add_argument("--readloop-max-s", type=int, default=240, help="a read loop's own time limit")
+    ap.add_argument("--budget-s", type=int, default=540, help="the whole run's time limit")
+    ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    ap.add_argument("--json-out", help="also write the JSON summary here")
+    args = ap.parse_args()
+    try:
+        only = [int(x) for x in args.only.split(",") if x.strip()]
+        assert only and all(x in NAMES for x in only)
+    except (ValueError, AssertionError):
+        ap.error("--only: numbers from 1 to 5, comma-separated")
+
+    for tool in ["docker", "docker-compose"]:
+        if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode != 0:
+            print(f"scenarios.py: {tool} not found", file=sys.stderr)
+            return 2
+    if subprocess.run(["docker", "image", "inspect", args.image], capture_output=True).returncode != 0:
+        print(f"scenarios.py: no image {args.image}: build it with k8s/image/build.sh", file=sys.stderr)
+        return 2
+
+    # SIGTERM tears down like Ctrl-C; SIGALRM bounds the whole run.
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGALRM, on_signal)
+    signal.alarm(args.budget_s)
+
+    c = Cluster(args)
+    runner = Runner(c, args)
+    t0 = time.time()
+    summary = {"image": args.image, "scenarios": runner.results}
+    rc = 0
+    try:
+        size = run(["docker", "image", "inspect", "-f", "{{.Size}}", args.image]).strip()
+        summary["image_size_mb"] = round(int(size) / 1e6, 1)
+        c.up()
+        cfg = run(["grep", "-E", r"^\s*lease_ms\s*=", os.path.join(HERE, "..", "base", "config",
+                                                                  "coordinator.toml")], check=False)
+        if cfg.strip():
+            c.lease_s = int(cfg.split("=")[1].split("#")[0].strip()) / 1000
+        summary["lease_s"] = c.lease_s
+        summary["cluster_ready_s"] = round(c.wait_cluster(timeout=120), 2)
+        log(f"cluster ready in {summary['cluster_ready_s']} s (lease {c.lease_s} s, network {c.network})")
+        for n in only:
+            runner.scenario(n, getattr(runner, NAMES[n]))
+    except KeyboardInterrupt as e:
+        summary["error"] = f"interrupted ({e or 'SIGINT'})"
+        rc = 1
+    except Failed as e:
+        summary["error"] = str(e)
+        log(f"set-up failed: {e}")
+        log(c.logs(["init", "pagewire-coordinator"] + NODES, tail=20))
+        rc = 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        c.down()
+    summary["total_s"] = round(time.time() - t0, 1)
+    summary["ok"] = rc == 0 and len(runner.results) == len(only) and all(r["ok"] for r in runner.results)
+
+    print("\ncovered:")
+    for r in runner.results:
+        print(f"  {r['scenario']} {r['name']:<12} {'ok    ' if r['ok'] else 'FAILED'} "
+              + "  ".join(f"{k}={v}" for k, v in r["timings"].items()))
+        rd = r["reads"]
+        print(f"    reads ok={rd['ok']} failed={rd['err']} wrong={rd['wrong']} stale={rd['stale']} "
+              f"writes={rd['wr']} write_errors={rd['wr_err']} longest_read_ms={rd['max_read_ms']}")
+        for e in r["expect"]:
+            print(f"    [{'x' if e[1] else ' '}] {e[0]}: {e[2]}")
+        if "error" in r:
+            print(f"    error: {r['error']}")
+    missing = [NAMES[n] for n in only if n not in [r["scenario"] for r in runner.results]]
+    if missing:
+        print(f"  not run: {', '.join(missing)}")
+    if "error" in summary:
+        print(f"  error: {summary['error']}")
+    print(f"  total {summary['total_s']} s; {'all expectations held' if summary['ok'] else 'FAILED'}")
+    logs = {r["scenario"]: r.pop("logs") for r in runner.results if "logs" in r}
+    line = json.dumps(summary)
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    for n, text in logs.items():
+        print(f"\n--- logs after scenario {n} ({NAMES[n]}) ---\n{text}", file=sys.stderr)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
