@@ -1,0 +1,531 @@
+#!/usr/bin/env python3
+"""Fails when the Kubernetes manifests drift from what the compose test runs.
+
+Compares k8s/compose/docker-compose.yml (the cluster the compose scenarios
+test) with the rendered tcp overlay (`kubectl kustomize k8s/overlays/tcp`),
+container by container:
+
+  compose service            k8s object / container
+  pagewire-coordinator   ->  StatefulSet pagewire-coordinator / coordinator
+  node-1, node-2, node-3 ->  DaemonSet pagewire-node / node
+  tools                  ->  Deployment pagewire-admin / pwctl (env only)
+
+and checks, each printed as OK or FAIL:
+  * the command line (entrypoint/command + args, the image's ENTRYPOINT/CMD
+    from the Dockerfile where one side leaves them out);
+  * the env names (PAGEWIRE_* and every other name);
+  * the config files mounted (target paths and their source: the same
+    k8s/base/config/*.toml, byte for byte in the rendered ConfigMap), the
+    token, state, shm and data mount paths, and the shm size;
+  * the ports: the TOML's listen addresses against the k8s containerPorts,
+    the Service, the NetworkPolicies, the Dockerfile's EXPOSE and any compose
+    ports/expose;
+  * the probes: compose's healthcheck (path and port) against the k8s
+    readinessProbe, liveness on /healthz on the same port;
+  * the shutdown budget: grace periods above the node's drain timeout (plus
+    the preStop drain wait in k8s);
+  * the default image, the user id, the coordinator's address;
+  * the NetworkPolicies' ports and that they select and admit the pods,
+    and the Prometheus scrape annotations.
+
+Usage: check_drift.py [--rendered FILE] [--compose FILE]
+Without --rendered it renders the tcp overlay itself (kubectl, with a
+throwaway token in a temporary copy of k8s/). Needs PyYAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import yaml
+
+K8S = Path(__file__).resolve().parent
+REPO = K8S.parent
+
+COORD_SVC = "pagewire-coordinator"
+NODE_SVCS = ("node-1", "node-2", "node-3")
+TOOLS_SVC = "tools"
+
+failures: list[str] = []
+passes = 0
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    global passes
+    if ok:
+        passes += 1
+        print(f"  OK    {name}")
+    else:
+        failures.append(name)
+        print(f"  FAIL  {name}" + (f": {detail}" if detail else ""))
+
+
+# --- inputs -----------------------------------------------------------------
+
+
+def render_tcp() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        sys.exit("check_drift: kubectl not found (needed to render k8s/overlays/tcp)")
+    with tempfile.TemporaryDirectory(prefix="pagewire-drift-") as tmp:
+        t = Path(tmp)
+        shutil.copytree(K8S / "base", t / "base")
+        shutil.copytree(K8S / "overlays", t / "overlays")
+        (t / "base" / "cluster-token").write_text(os.urandom(16).hex())
+        out = subprocess.run(
+            [kubectl, "kustomize", str(t / "overlays" / "tcp")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def interpolate(v):
+    """Compose variable substitution with the defaults (the environment is
+    ignored, so the check is deterministic); `$$` is a literal `$`."""
+    if isinstance(v, str):
+        return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else (m.group(2) or ""), v)
+    if isinstance(v, list):
+        return [interpolate(x) for x in v]
+    if isinstance(v, dict):
+        return {k: interpolate(x) for k, x in v.items()}
+    return v
+
+
+def argv(v) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return shlex.split(v)
+    return [str(x) for x in v]
+
+
+def dockerfile_runtime() -> dict:
+    """ENTRYPOINT, CMD, USER and EXPOSE of the Dockerfile's last stage."""
+    info = {"entrypoint": None, "cmd": None, "user": None, "expose": set()}
+    path = REPO / "Dockerfile"
+    if not path.exists():
+        return info
+    text = re.sub(r"\\\n", " ", path.read_text())
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        word = word.upper()
+        rest = rest.strip()
+        if word == "FROM":
+            info = {"entrypoint": None, "cmd": None, "user": None, "expose": set()}
+        elif word in ("ENTRYPOINT", "CMD"):
+            try:
+                val = json.loads(rest)
+            except json.JSONDecodeError:
+                val = ["/bin/sh", "-c", rest]
+            info[word.lower()] = [str(x) for x in val]
+        elif word == "USER":
+            info["user"] = rest.split(":")[0]
+        elif word == "EXPOSE":
+            info["expose"] |= {int(p.split("/")[0]) for p in rest.split()}
+    return info
+
+
+def effective(entrypoint, command, image) -> list[str]:
+    """The process's argv: Docker and Kubernetes combine them the same way
+    (an explicit entrypoint/command drops the image's CMD)."""
+    if entrypoint is not None:
+        return entrypoint + (command or [])
+    return (image["entrypoint"] or []) + (
+        command if command is not None else (image["cmd"] or [])
+    )
+
+
+def port_of(addr: str) -> int:
+    return int(addr.rsplit(":", 1)[1])
+
+
+def mib(size: str) -> float:
+    """A size (Kubernetes quantity or a tmpfs size= option) in MiB."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]i?|[kmg]|)", str(size).strip())
+    if not m:
+        raise ValueError(f"cannot read size {size!r}")
+    n, unit = float(m.group(1)), m.group(2)
+    factor = {
+        "": 1 / 2**20,
+        "k": 1 / 1024, "K": 1 / 1024, "Ki": 1 / 1024,
+        "m": 1, "M": 1, "Mi": 1,
+        "g": 1024, "G": 1024, "Gi": 1024,
+    }[unit]
+    # Kubernetes' k/M/G are powers of 1000; tmpfs' k/m/g are powers of 1024.
+    return n * factor
+
+
+def seconds(v) -> float:
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(v))
+    if not m or not any(m.groups()):
+        raise ValueError(f"cannot read duration {v!r}")
+    return int(m.group(1) or 0) * 60 + float(m.group(2) or 0)
+
+
+# --- compose ------------------------------------------------------------------
+
+
+def compose_mounts(svc: dict, volumes_top: dict) -> dict[str, dict]:
+    """target -> {"kind": bind|volume|tmpfs, "source": ..., "size": ...}."""
+    out: dict[str, dict] = {}
+    for v in svc.get("volumes", []) or []:
+        if isinstance(v, str):
+            parts = v.split(":")
+            src, tgt = parts[0], parts[1]
+            kind = "bind" if src.startswith((".", "/")) else "volume"
+            out[tgt] = {"kind": kind, "source": src}
+        else:
+            out[v["target"]] = {"kind": v.get("type", "volume"), "source": v.get("source")}
+    tmpfs = svc.get("tmpfs") or []
+    if isinstance(tmpfs, str):
+        tmpfs = [tmpfs]
+    for t in tmpfs:
+        path, _, opts = t.partition(":")
+        o = dict(x.partition("=")[::2] for x in opts.split(",") if x)
+        out[path] = {"kind": "tmpfs", "source": None, "size": o.get("size")}
+    return out
+
+
+def compose_probe(svc: dict) -> tuple[str, int] | None:
+    hc = svc.get("healthcheck") or {}
+    test = hc.get("test")
+    if not test:
+        return None
+    text = " ".join(test) if isinstance(test, list) else str(test)
+    port = re.search(r"/dev/tcp/[^/\s]+/(\d+)", text) or re.search(
+        r"https?://[^/\s:]+:(\d+)", text
+    )
+    path = re.search(r"GET (/\S*) HTTP", text) or re.search(
+        r"https?://[^/\s]+(/[^\s'\"]*)", text
+    )
+    if not (port and path):
+        return None
+    return path.group(1), int(port.group(1))
+
+
+def compose_env(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(e.partition("=")[::2] for e in env)
+    return {k: ("" if v is None else str(v)) for k, v in env.items()}
+
+
+# --- k8s ----------------------------------------------------------------------
+
+
+def find(objs, kind, name) -> dict:
+    for o in objs:
+        if o.get("kind") == kind and o["metadata"]["name"] == name:
+            return o
+    sys.exit(f"check_drift: no {kind} {name} in the rendered tcp overlay")
+
+
+def container(obj, name) -> dict:
+    for c in obj["spec"]["template"]["spec"]["containers"]:
+        if c["name"] == name:
+            return c
+    sys.exit(f"check_drift: no container {name} in {obj['kind']} {obj['metadata']['name']}")
+
+
+def k8s_mounts(obj, c) -> dict[str, dict]:
+    vols = {v["name"]: v for v in obj["spec"]["template"]["spec"].get("volumes", [])}
+    for t in obj["spec"].get("volumeClaimTemplates", []) or []:
+        vols[t["metadata"]["name"]] = {"name": t["metadata"]["name"], "pvc": t}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        v = vols.get(m["name"], {})
+        kind = next((k for k in v if k != "name"), "?")
+        out[m["mountPath"]] = {
+            "kind": kind,
+            "subPath": m.get("subPath"),
+            "volume": v,
+            "readOnly": bool(m.get("readOnly")),
+        }
+    return out
+
+
+def k8s_probe(c, which) -> tuple[str, int] | None:
+    p = (c.get(which) or {}).get("httpGet")
+    if not p:
+        return None
+    port = p["port"]
+    if isinstance(port, str):
+        port = next(x["containerPort"] for x in c["ports"] if x.get("name") == port)
+    return p["path"], int(port)
+
+
+def prestop_wait(c) -> float:
+    """Seconds the preStop hook may take: pwctl drain --wait N, else 0."""
+    cmd = " ".join(((c.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command", []))
+    m = re.search(r"--wait[ =](\d+)", cmd)
+    return float(m.group(1)) if m else 0.0
+
+
+# --- the checks -----------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rendered", type=Path, help="the rendered tcp overlay (YAML)")
+    ap.add_argument("--compose", type=Path, default=K8S / "compose" / "docker-compose.yml")
+    a = ap.parse_args()
+
+    if not a.compose.exists():
+        sys.exit(f"check_drift: {a.compose} does not exist")
+    compose = interpolate(yaml.safe_load(a.compose.read_text()))
+    services = compose.get("services", {})
+    for s in (COORD_SVC, *NODE_SVCS, TOOLS_SVC):
+        if s not in services:
+            sys.exit(f"check_drift: compose has no service {s}")
+    objs = (
+        [d for d in yaml.safe_load_all(a.rendered.read_text()) if d]
+        if a.rendered
+        else render_tcp()
+    )
+    image = dockerfile_runtime()
+    cfg_dir = K8S / "base" / "config"
+    tomls = {
+        "coordinator": tomllib.loads((cfg_dir / "coordinator.toml").read_text()),
+        "node": tomllib.loads((cfg_dir / "node.toml").read_text()),
+    }
+    toml_ports = {
+        "coordinator": {
+            "grpc": port_of(tomls["coordinator"]["listen"]),
+            "http": port_of(tomls["coordinator"]["metrics_listen"]),
+        },
+        "node": {
+            "grpc": port_of(tomls["node"]["listen"]),
+            "http": port_of(tomls["node"]["metrics_listen"]),
+            "transport": port_of(tomls["node"]["transports"]["tcp_listen"]),
+        },
+    }
+
+    sts = find(objs, "StatefulSet", "pagewire-coordinator")
+    ds = find(objs, "DaemonSet", "pagewire-node")
+    admin = find(objs, "Deployment", "pagewire-admin")
+    pairs = [
+        ("coordinator", services[COORD_SVC], sts, container(sts, "coordinator")),
+        *[("node", services[n], ds, container(ds, "node")) for n in NODE_SVCS],
+    ]
+    cms = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("pagewire-config")]
+    configmap = cms[0] if len(cms) == 1 else None
+
+    # The three compose nodes must be one definition but for their identity,
+    # or "the k8s node matches node-1" says nothing about node-2.
+    print("compose nodes alike:")
+    strip = ("hostname", "environment", "networks", "container_name")
+    base = {k: v for k, v in services[NODE_SVCS[0]].items() if k not in strip}
+    for n in NODE_SVCS[1:]:
+        other = {k: v for k, v in services[n].items() if k not in strip}
+        check(f"{n} is defined as {NODE_SVCS[0]} (but for id, hostname, address)", other == base)
+    for n in NODE_SVCS:
+        check(f"{n}: PAGEWIRE_NODE_ID={n}", compose_env(services[n]).get("PAGEWIRE_NODE_ID") == n)
+
+    checked_roles = set()
+    for role, svc, obj, c in pairs:
+        if role in checked_roles:
+            continue  # node-2, node-3: identical to node-1 (checked above)
+        checked_roles.add(role)
+        print(f"{role}: compose service {[s for s in services if services[s] is svc][0]} vs {obj['kind']} {obj['metadata']['name']}/{c['name']}:")
+
+        # Command line.
+        dc = effective(argv(svc.get("entrypoint")), argv(svc.get("command")), image)
+        kc = effective(argv(c.get("command")), argv(c.get("args")), image)
+        want = [f"pagewire-{role}", "--config", f"/etc/pagewire/{role}.toml"]
+        check("command line equal", dc == kc, f"compose {dc} vs k8s {kc}")
+        check(f"command line is {' '.join(want)}", kc == want, f"k8s {kc}")
+
+        # Env names.
+        de = set(compose_env(svc))
+        ke = {e["name"] for e in c.get("env", [])}
+        check("env names equal", de == ke, f"compose {sorted(de)} vs k8s {sorted(ke)}")
+        if role == "node":
+            src = next((e for e in c.get("env", []) if e["name"] == "PAGEWIRE_NODE_ID"), {})
+            check(
+                "k8s PAGEWIRE_NODE_ID from spec.nodeName",
+                src.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName",
+            )
+        check("no env_file in compose", not svc.get("env_file"))
+        check("no envFrom in k8s", not c.get("envFrom"))
+
+        # Mounts.
+        dm = compose_mounts(svc, compose.get("volumes") or {})
+        km = k8s_mounts(obj, c)
+        cfg_path = f"/etc/pagewire/{role}.toml"
+        src = dm.get(cfg_path, {})
+        src_file = (a.compose.parent / str(src.get("source"))).resolve() if src.get("kind") == "bind" else None
+        check(
+            f"compose mounts k8s/base/config/{role}.toml at {cfg_path}",
+            src_file == (cfg_dir / f"{role}.toml").resolve(),
+            f"compose mounts {src or 'nothing'} there",
+        )
+        k = km.get(cfg_path, {})
+        cm_name = (k.get("volume", {}).get("configMap") or {}).get("name")
+        check(
+            f"k8s mounts the ConfigMap key {role}.toml at {cfg_path}",
+            k.get("kind") == "configMap"
+            and k.get("subPath") == f"{role}.toml"
+            and configmap is not None
+            and cm_name == configmap["metadata"]["name"],
+            f"k8s mounts {k or 'nothing'} there",
+        )
+        check(
+            f"the ConfigMap's {role}.toml is k8s/base/config/{role}.toml byte for byte",
+            configmap is not None
+            and configmap.get("data", {}).get(f"{role}.toml") == (cfg_dir / f"{role}.toml").read_text(),
+        )
+        toml = tomls[role]
+        token_dir = str(Path(toml["token_file"]).parent)
+        check(f"token_file {toml['token_file']} is the compose token mount", token_dir in dm)
+        check(
+            f"token_file {toml['token_file']} is the k8s Secret mount",
+            km.get(token_dir, {}).get("kind") == "secret",
+        )
+        if role == "coordinator":
+            state_dir = str(Path(toml["state_file"]).parent)
+            check(f"state_file's {state_dir} is a compose volume", dm.get(state_dir, {}).get("kind") == "volume")
+            check(f"state_file's {state_dir} is the k8s PVC", km.get(state_dir, {}).get("kind") == "pvc")
+        else:
+            shm = str(toml["transports"]["shm_dir"])
+            check(f"shm_dir {shm} is a compose tmpfs", dm.get(shm, {}).get("kind") == "tmpfs")
+            ed = km.get(shm, {}).get("volume", {}).get("emptyDir") or {}
+            check(f"shm_dir {shm} is a k8s emptyDir of medium Memory", ed.get("medium") == "Memory")
+            dsize, ksize = dm.get(shm, {}).get("size"), ed.get("sizeLimit")
+            check(
+                "shm size equal",
+                dsize is not None and ksize is not None and abs(mib(dsize) - mib(ksize)) < 1e-9,
+                f"compose {dsize} vs k8s {ksize}",
+            )
+            data = str(Path(toml["backing_file"]).parent)
+            check(f"backing_file's {data} mounted in compose", data in dm)
+            check(f"backing_file's {data} mounted read-write in k8s", data in km and not km[data]["readOnly"])
+        extra_d = set(dm) - set(km)
+        extra_k = set(km) - set(dm)
+        check("same mount paths", not extra_d and not extra_k, f"only compose {sorted(extra_d)}, only k8s {sorted(extra_k)}")
+
+        # Ports.
+        want_ports = set(toml_ports[role].values())
+        kp = {p["containerPort"] for p in c.get("ports", [])}
+        check(f"k8s containerPorts = the TOML's ports {sorted(want_ports)}", kp == want_ports, f"k8s {sorted(kp)}")
+        names = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+        check("k8s port names match the TOML's roles", names == toml_ports[role], f"k8s {names}")
+        dp = set()
+        for p in (svc.get("ports") or []) + (svc.get("expose") or []):
+            s = str(p["target"] if isinstance(p, dict) else p).split("/")[0]
+            dp.add(int(s.rsplit(":", 1)[-1].split("-")[0]))
+        check("compose ports/expose within the TOML's ports", dp <= want_ports, f"compose {sorted(dp)}")
+        if image["expose"]:
+            check("Dockerfile EXPOSEs them", want_ports <= image["expose"], f"EXPOSE {sorted(image['expose'])}")
+
+        # Probes.
+        dpr = compose_probe(svc)
+        kr = k8s_probe(c, "readinessProbe")
+        kl = k8s_probe(c, "livenessProbe")
+        http = toml_ports[role]["http"]
+        check("compose healthcheck = k8s readinessProbe (path, port)", dpr is not None and dpr == kr, f"compose {dpr} vs k8s {kr}")
+        check(f"readiness is /readyz on the HTTP port {http}", kr == ("/readyz", http), f"k8s {kr}")
+        check(f"liveness is /healthz on the HTTP port {http}", kl == ("/healthz", http), f"k8s {kl}")
+
+        # Shutdown budget.
+        grace = obj["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        dgrace = seconds(svc.get("stop_grace_period", "10s"))
+        if role == "node":
+            drain = toml.get("shutdown_drain_timeout_ms", 20000) / 1000
+            wait = prestop_wait(c)
+            check(
+                f"k8s grace {grace}s > preStop drain wait {wait:g}s + shutdown_drain_timeout {drain:g}s",
+                grace > wait + drain,
+            )
+            check(f"compose stop_grace_period {dgrace:g}s > shutdown_drain_timeout {drain:g}s", dgrace > drain)
+            pre = " ".join(((c.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command", []))
+            check(
+                "preStop drains this node's process (--until-restart) with the coordinator and token of node.toml",
+                'drain --until-restart "$PAGEWIRE_NODE_ID"' in pre
+                and f"--coordinator {toml['coordinator']}" in pre
+                and f"--token-file {toml['token_file']}" in pre,
+                pre,
+            )
+
+        # Image and user.
+        dimg = svc.get("image")
+        check("same image", dimg == c.get("image"), f"compose {dimg} vs k8s {c.get('image')}")
+        uid = c.get("securityContext", {}).get("runAsUser") or obj["spec"]["template"]["spec"].get("securityContext", {}).get("runAsUser")
+        if image["user"]:
+            check(f"k8s runAsUser = the image's USER {image['user']}", str(uid) == image["user"], f"k8s {uid}")
+        if svc.get("user"):
+            check("compose user = k8s runAsUser", str(svc["user"]).split(":")[0] == str(uid))
+
+    # The coordinator's address and ports, as the nodes and the tools see it.
+    print("addresses:")
+    host, _, port = tomls["node"]["coordinator"].rpartition(":")
+    svc_obj = find(objs, "Service", host)
+    check(f"node.toml's coordinator {host} is a compose service", host in services)
+    check(
+        f"k8s Service {host} is headless and selects the coordinator pods",
+        svc_obj["spec"].get("clusterIP") == "None"
+        and all(sts["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc_obj["spec"]["selector"].items()),
+    )
+    sp = {p["name"]: p["port"] for p in svc_obj["spec"]["ports"]}
+    check(f"Service ports = coordinator.toml's {toml_ports['coordinator']}", sp == toml_ports["coordinator"], f"Service {sp}")
+    check(f"node.toml's coordinator port {port} is coordinator.toml's listen port", int(port) == toml_ports["coordinator"]["grpc"])
+    tenv = compose_env(services[TOOLS_SVC])
+    aenv = {e["name"]: e.get("value") for e in container(admin, "pwctl").get("env", [])}
+    check(
+        "admin pod's PAGEWIRE_COORDINATOR = compose tools' = node.toml's coordinator",
+        aenv.get("PAGEWIRE_COORDINATOR") == tenv.get("PAGEWIRE_COORDINATOR") == tomls["node"]["coordinator"],
+        f"admin {aenv.get('PAGEWIRE_COORDINATOR')}, tools {tenv.get('PAGEWIRE_COORDINATOR')}",
+    )
+
+    # NetworkPolicies open exactly the TOMLs' ports.
+    internal = {toml_ports["coordinator"]["grpc"], toml_ports["node"]["grpc"], toml_ports["node"]["transport"]}
+    metrics = {toml_ports["coordinator"]["http"], toml_ports["node"]["http"]}
+
+    def np_ports(name):
+        o = find(objs, "NetworkPolicy", name)
+        return {p["port"] for r in o["spec"].get("ingress", []) for p in r.get("ports", [])}
+
+    check(f"NetworkPolicy pagewire-internal opens {sorted(internal)}", np_ports("pagewire-internal") == internal)
+    check(f"NetworkPolicy pagewire-metrics opens {sorted(metrics)}", np_ports("pagewire-metrics") == metrics)
+    pol = find(objs, "NetworkPolicy", "pagewire-internal")["spec"]
+    sel = pol["podSelector"].get("matchLabels", {})
+    peers = [p["podSelector"].get("matchLabels", {}) for r in pol["ingress"] for p in r["from"] if "podSelector" in p]
+    for obj in (sts, ds, admin):
+        labels = obj["spec"]["template"]["metadata"].get("labels", {})
+        check(
+            f"{obj['kind']} {obj['metadata']['name']}'s pods are selected by and admitted to pagewire-internal",
+            all(labels.get(k) == v for k, v in sel.items())
+            and any(all(labels.get(k) == v for k, v in p.items()) for p in peers),
+        )
+    for role, obj in (("coordinator", sts), ("node", ds)):
+        ann = obj["spec"]["template"]["metadata"].get("annotations", {})
+        check(
+            f"{role} scrape annotations name port {toml_ports[role]['http']} and /metrics",
+            ann.get("prometheus.io/scrape") == "true"
+            and ann.get("prometheus.io/port") == str(toml_ports[role]["http"])
+            and ann.get("prometheus.io/path") == "/metrics",
+        )
+
+    print(f"check_drift: {passes} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

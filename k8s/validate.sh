@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Validates the Kubernetes manifests offline. CI runs it (as root, Debian
+# bookworm); it installs what it needs itself, into a venv under target/.
+#
+#   bash k8s/validate.sh
+#
+# 1. renders every overlay with `kubectl kustomize` (tcp, soft-roce, roce,
+#    and roce with the optional hugepages component), with a throwaway token
+#    in a temporary copy of k8s/ (never the operator's k8s/base/cluster-token);
+# 2. validates every rendered object against the Kubernetes API schemas,
+#    offline and strict (kubernetes-validate, Kubernetes $K8S_VERSION);
+# 3. runs checkov's Kubernetes checks on each rendering, with no network;
+#    the checks it skips, each with its reason, are listed in
+#    k8s/validate_helper.py (SKIP_ALL, SKIP_ONE) and printed below;
+# 4. runs the overlays' init scripts (gid-check.sh, rxe-setup.sh) against a
+#    fake sysfs and a fake `rdma`;
+# 5. runs k8s/check_drift.py: the tcp rendering against the compose cluster.
+# The renderings are left in target/k8s-validate/.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+venv="${PAGEWIRE_K8S_VENV:-$repo/target/k8s-venv}"
+out="$repo/target/k8s-validate"
+K8S_VERSION="${K8S_VERSION:-1.30.0}"
+KUBERNETES_VALIDATE_VERSION=1.37.0
+CHECKOV_VERSION=3.3.30
+PYYAML_VERSION=6.0.2
+start=$SECONDS
+
+say() { printf '== %s\n' "$*"; }
+die() { printf 'validate.sh: %s\n' "$*" >&2; exit 1; }
+
+# --- tools -------------------------------------------------------------------
+kubectl="${KUBECTL:-$(command -v kubectl || true)}"
+[ -n "$kubectl" ] && [ -x "$kubectl" ] || die "kubectl not found (set KUBECTL or put kubectl >= 1.27, which has kustomize v5, on PATH; kubectl kustomize needs no cluster)"
+kver="$("$kubectl" version --client 2>/dev/null | tr '\n' ' ')"
+case "$kver" in *"Kustomize Version: v5"*) ;; *) die "kubectl with kustomize v5 needed (the overlays use kustomize v5's labels and components); have: $kver" ;; esac
+
+want_stamp="kubernetes-validate==$KUBERNETES_VALIDATE_VERSION checkov==$CHECKOV_VERSION PyYAML==$PYYAML_VERSION"
+if [ "$(cat "$venv/.pagewire-stamp" 2>/dev/null)" != "$want_stamp" ]; then
+    say "installing $want_stamp into $venv"
+    if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
+        [ "$(id -u)" = 0 ] || die "python3 -m venv is missing (Debian: apt-get install python3-venv)"
+        apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+    fi
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check \
+        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "checkov==$CHECKOV_VERSION" \
+        "PyYAML==$PYYAML_VERSION"
+    echo "$want_stamp" > "$venv/.pagewire-stamp"
+fi
+py="$venv/bin/python"
+installed=$SECONDS
+
+# checkov must not phone home: --skip-download, and a network namespace
+# without any network where we may make one (root).
+nonet=()
+if unshare -n true 2>/dev/null; then nonet=(unshare -n); fi
+
+# --- 1. render -----------------------------------------------------------------
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+cp -r "$here/base" "$here/overlays" "$work/"
+rm -f "$work/base/cluster-token"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/base/cluster-token"
+# The hugepages component is off in the roce overlay; render it too.
+mkdir -p "$work/overlays/roce-hugepages"
+cat > "$work/overlays/roce-hugepages/kustomization.yaml" <<'EOF'
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - ../roce
+components:
+  - ../roce/hugepages
+EOF
+
+variants=(tcp soft-roce roce roce-hugepages)
+rm -rf "$out"
+mkdir -p "$out"
+say "render (kubectl kustomize; $(echo "$kver" | grep -o 'Kustomize Version: v[0-9.]*'))"
+for v in "${variants[@]}"; do
+    "$kubectl" kustomize "$work/overlays/$v" > "$out/$v.yaml" \
+        || die "kubectl kustomize k8s/overlays/$v failed"
+    "$py" "$here/validate_helper.py" objects "$out/$v.yaml" > "$out/$v.objects"
+    printf '  %-15s %2d objects: %s\n' "$v" "$(wc -l < "$out/$v.objects")" \
+        "$(cut -d' ' -f1 "$out/$v.objects" | sort | uniq -c | awk '{printf "%s%s x%s", s, $2, $1; s=", "}')"
+done
+# The rendered Secret holds the throwaway token: keep it out of target/.
+for v in "${variants[@]}"; do
+    "$py" - "$out/$v.yaml" <<'EOF'
+import sys, yaml
+p = sys.argv[1]
+docs = [d for d in yaml.safe_load_all(open(p)) if d]
+for d in docs:
+    if d["kind"] == "Secret":
+        d["data"] = {k: "UkVEQUNURUQ=" for k in d.get("data", {})}
+open(p, "w").write(yaml.safe_dump_all(docs, sort_keys=False))
+EOF
+done
+
+# --- 2. schemas ----------------------------------------------------------------
+say "API schemas (kubernetes-validate $KUBERNETES_VALIDATE_VERSION, --strict, Kubernetes $K8S_VERSION, offline)"
+for v in "${variants[@]}"; do
+    log="$out/$v.schema.log"
+    if ! "$venv/bin/kubernetes-validate" --strict -k "$K8S_VERSION" "$out/$v.yaml" > "$log" 2>&1; then
+        grep -v ' passed for resource ' "$log" >&2 || true
+        die "$v: schema validation failed"
+    fi
+    n_ok="$(grep -c ' passed for resource ' "$log" || true)"
+    n_obj="$(wc -l < "$out/$v.objects")"
+    [ "$n_ok" = "$n_obj" ] || { cat "$log" >&2; die "$v: $n_ok of $n_obj objects validated"; }
+    printf '  %-15s %2d of %2d objects valid\n' "$v" "$n_ok" "$n_obj"
+done
+
+# --- 3. policy -----------------------------------------------------------------
+say "policy (checkov $CHECKOV_VERSION, framework kubernetes${nonet:+, no network})"
+reports=()
+for v in "${variants[@]}"; do
+    "${nonet[@]}" "$venv/bin/checkov" -f "$out/$v.yaml" --framework kubernetes \
+        --skip-download -o json > "$out/$v.checkov.json" 2> "$out/$v.checkov.err" || true
+    [ -s "$out/$v.checkov.json" ] || { cat "$out/$v.checkov.err" >&2; die "$v: checkov wrote no report"; }
+    reports+=("$v" "$out/$v.checkov.json")
+done
+"$py" "$here/validate_helper.py" checkov "${reports[@]}" || die "checkov found problems (above)"
+
+# --- 4. init scripts -----------------------------------------------------------
+say "overlay init scripts (/bin/sh, fake sysfs and rdma)"
+t="$work/scripts"
+ib="$t/ib/mlx5_0/ports/1"
+mkdir -p "$ib/gids" "$ib/gid_attrs/types" "$ib/gid_attrs/ndevs" "$t/empty" "$t/bin"
+echo Ethernet > "$ib/link_layer"; echo "4: ACTIVE" > "$ib/state"
+gid() { echo "$2" > "$ib/gids/$1"; [ -z "$3" ] || echo "$3" > "$ib/gid_attrs/types/$1"; [ -z "$3" ] || echo eth1 > "$ib/gid_attrs/ndevs/$1"; }
+gid 0 fe80:0000:0000:0000:0a00:27ff:fe00:0001 "IB/RoCE v1"
+gid 1 fe80:0000:0000:0000:0a00:27ff:fe00:0001 "RoCE v2"
+gid 2 0000:0000:0000:0000:0000:ffff:0a00:0105 "IB/RoCE v1"
+gid 3 0000:0000:0000:0000:0000:ffff:0a00:0105 "RoCE v2"
+gid 4 0000:0000:0000:0000:0000:0000:0000:0000 ""
+gid 10 0000:0000:0000:0000:0000:ffff:c0a8:0a0b "RoCE v2"
+ntest=0
+expect() { # expect RC WANT_IN_OUTPUT -- command...
+    local rc="$1" want="$2"; shift 3
+    local got=0 o
+    o="$("$@" 2>&1)" || got=$?
+    ntest=$((ntest + 1))
+    if [ "$got" != "$rc" ] || ! grep -qF -- "$want" <<<"$o"; then
+        printf '%s\n' "$o" >&2
+        die "init script test: '$*' exited $got (want $rc) or lacks '$want'"
+    fi
+}
+gc="$here/overlays/roce/gid-check.sh"
+expect 0 "using GID index 3 (eth1, 10.0.1.5)" -- env IB_SYSFS="$t/ib" GID_INDEX=auto POD_IP=10.0.1.5 sh "$gc"
+expect 0 "using GID index 10 (eth1, 192.168.10.11)" -- env IB_SYSFS="$t/ib" GID_INDEX=10 sh "$gc"
+expect 0 "is not this GID's 10.0.1.5" -- env IB_SYSFS="$t/ib" GID_INDEX=3 POD_IP=10.0.9.9 sh "$gc"
+expect 1 "not RoCE v2" -- env IB_SYSFS="$t/ib" GID_INDEX=2 sh "$gc"
+expect 1 "GID index 4 is empty" -- env IB_SYSFS="$t/ib" GID_INDEX=4 sh "$gc"
+expect 1 "no port 2" -- env IB_SYSFS="$t/ib" RDMA_PORT=2 sh "$gc"
+expect 1 "no RDMA device visible" -- env IB_SYSFS="$t/empty" sh "$gc"
+rm "$ib/gids/3" "$ib/gids/10"
+expect 1 "no RoCE v2 GID with an IPv4 address" -- env IB_SYSFS="$t/ib" sh "$gc"
+# A fake `rdma`: `link show` prints $FAKE_LINKS, `link add` logs its arguments.
+cat > "$t/bin/rdma" <<'EOF'
+#!/bin/sh
+case "$1 $2" in
+    "link show") printf '%s' "${FAKE_LINKS:-}" ;;
+    "link add") echo "$*" >> "$FAKE_LOG"; [ -z "${FAKE_ADD_FAILS:-}" ] || { echo "error: Unknown device type" >&2; exit 1; } ;;
+    *) exit 2 ;;
+esac
+EOF
+chmod +x "$t/bin/rdma"
+rx="$here/overlays/soft-roce/rxe-setup.sh"
+: > "$t/log"
+expect 0 "" -- env PATH="$t/bin:$PATH" FAKE_LOG="$t/log" sh "$rx"
+grep -qx "link add rxe0 type rxe netdev eth0" "$t/log" || die "rxe-setup did not run 'rdma link add rxe0 type rxe netdev eth0'"
+: > "$t/log"
+expect 0 "already has an RDMA link" -- env PATH="$t/bin:$PATH" FAKE_LOG="$t/log" \
+    FAKE_LINKS="link rxe0/1 state ACTIVE physical_state LINK_UP netdev eth0
+" sh "$rx"
+[ ! -s "$t/log" ] || die "rxe-setup added a link although eth0 had one"
+expect 0 "" -- env PATH="$t/bin:$PATH" FAKE_LOG="$t/log" \
+    FAKE_LINKS="link rxe9/1 state ACTIVE physical_state LINK_UP netdev eth01
+" sh "$rx"
+grep -q "netdev eth0$" "$t/log" || die "rxe-setup took eth01's link for eth0's"
+expect 1 "modprobe rdma_rxe" -- env PATH="$t/bin:$PATH" FAKE_LOG="$t/log" FAKE_ADD_FAILS=1 sh "$rx"
+expect 1 "no 'rdma' tool" -- env PATH="$t/empty" /bin/sh "$rx"
+printf '  %d script tests passed (gid-check.sh, rxe-setup.sh)\n' "$ntest"
+
+# --- 5. drift ------------------------------------------------------------------
+say "drift: k8s/overlays/tcp against k8s/compose/docker-compose.yml (k8s/check_drift.py)"
+[ -f "$here/compose/docker-compose.yml" ] || die "k8s/compose/docker-compose.yml is missing"
+# Render tcp again, unredacted: check_drift compares the ConfigMaps' bytes only,
+# but use the real rendering rather than the rewritten one.
+"$kubectl" kustomize "$work/overlays/tcp" > "$work/tcp.yaml"
+"$py" "$here/check_drift.py" --rendered "$work/tcp.yaml" > "$out/drift.log" 2>&1 \
+    || { cat "$out/drift.log"; die "the manifests drifted from the compose cluster (above)"; }
+grep -E '^\S|FAIL' "$out/drift.log" | sed 's/^/  /'
+
+say "covered: ${#variants[@]} renderings (${variants[*]}), schemas of Kubernetes $K8S_VERSION, checkov, $ntest script tests, compose drift; $((SECONDS - installed)) s (+$((installed - start)) s install)"
+echo "validate.sh: ok"
