@@ -438,7 +438,10 @@ impl World {
             let mut c = coord(port)
                 .await
                 .ok_or_else(|| tonic::Status::unavailable("no connection"))?;
-            let req = DrainRequest { node_id: node };
+            let req = DrainRequest {
+                node_id: node,
+                incarnation: 0,
+            };
             let r = if undrain {
                 c.undrain(req).await?
             } else {
