@@ -307,7 +307,8 @@ mod tests {
         for _ in 1..PROBE_EVERY - 1 {
             assert!(a.begin().is_none(), "closed between probes");
         }
-        let probe = a.begin().expect("a probe after PROBE_EVERY waits");
+        let mut probe = a.begin().expect("a probe after PROBE_EVERY waits");
+        probe.switches = i64::MAX; // not preempted (a loaded machine may preempt it)
         a.end(probe, true);
         assert_eq!(
             a.window,
@@ -324,8 +325,9 @@ mod tests {
             a.blocked(Duration::from_micros(20));
         }
         assert_eq!(a.window, max);
-        let ep = a.begin().expect("a window and a free budget");
+        let mut ep = a.begin().expect("a window and a free budget");
         assert!(B.try_acquire().is_none(), "the episode holds the slot");
+        ep.switches = i64::MAX; // not preempted: no cooldown after it
         a.end(ep, true);
         assert!(B.try_acquire().is_some(), "ending the episode frees it");
         assert!(AdaptiveSpin::new(&B, Duration::ZERO).begin().is_none());
@@ -347,7 +349,8 @@ mod tests {
             assert!(a.begin().is_none(), "cooling down");
         }
         assert_eq!(a.next_cooldown, 2 * COOLDOWN_START);
-        let ep = a.begin().expect("spins again after the cooldown");
+        let mut ep = a.begin().expect("spins again after the cooldown");
+        ep.switches = i64::MAX; // a clean spin, however loaded the machine
         a.end(ep, true);
         assert_eq!(a.next_cooldown, COOLDOWN_START, "a clean spin halves it");
     }
