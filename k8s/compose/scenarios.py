@@ -10,7 +10,9 @@ and a prober that sweeps one page of every extent):
 
   1 kill       `docker kill` a node: time until the coordinator's map no
                longer names it, time until every extent is read again;
-               0 wrong and 0 stale reads. The node is started again.
+               0 wrong and 0 stale reads. The node is started again at a
+               new address (it must rejoin there, same id), then stopped
+               gracefully and started back at its own.
   2 rolling    `docker stop` (SIGTERM) and start each node in turn, waiting
                for it to be ready before the next: 0 failed, 0 wrong, 0
                stale reads; every node exits 0.
@@ -49,6 +51,9 @@ COMPOSE = os.path.join(HERE, "docker-compose.yml")
 TOKEN = "/etc/pagewire/token/token"
 NODES = ["node-1", "node-2", "node-3"]
 NODE_IP = {"node-1": "10.213.7.11", "node-2": "10.213.7.12", "node-3": "10.213.7.13"}
+# Where scenario 1 restarts a killed node (outside the compose file's
+# 10.213.7.128/25 pool for other containers).
+NEW_IP = {"node-2": "10.213.7.22"}
 NAMES = {1: "kill", 2: "rolling", 3: "partition", 4: "pause", 5: "coordinator"}
 
 
@@ -402,10 +407,34 @@ class Runner:
         self.expect(res, f"reassigned within the lease (+1 s for the lease check and this poll: {lease + 1:.1f} s)",
                     t_moved - t0 <= lease + 1, res["timings"]["reassigned_s"])
         time.sleep(1)
+        # Started again at a new address (a rescheduled pod): the node
+        # advertises it by itself and rejoins with the same id.
+        self.move(node, NEW_IP[node])
         t1 = time.time()
         c.docker("start", c.ids[node])
         c.rejoin(node)
         res["timings"]["restart_to_rejoined_s"] = round(time.time() - t1, 2)
+        self.expect_address(res, node, NEW_IP[node])
+        # And back, through a graceful stop: after a planned leave the id is
+        # free at once, at any address.
+        c.docker("stop", "-t", str(self.args.stop_timeout), c.ids[node], timeout=self.args.stop_timeout + 30)
+        self.move(node, NODE_IP[node])
+        t2 = time.time()
+        c.docker("start", c.ids[node])
+        c.rejoin(node)
+        res["timings"]["graceful_restart_back_rejoined_s"] = round(time.time() - t2, 2)
+        self.expect_address(res, node, NODE_IP[node])
+
+    def move(self, node, ip):
+        """Gives the (stopped) container of `node` the address `ip`."""
+        c = self.c
+        c.docker("network", "disconnect", c.network, c.ids[node])
+        c.docker("network", "connect", "--ip", ip, "--alias", node, c.network, c.ids[node])
+
+    def expect_address(self, res, node, ip):
+        n = (self.c.nodes() or {}).get(node) or {}
+        got = n.get("grpc_address", "")
+        self.expect(res, f"{node} rejoined at {ip}", got == f"{ip}:7500", got)
 
     # 2: rolling restart with SIGTERM.
     def rolling(self, rl, res):
