@@ -410,20 +410,28 @@ class Runner:
         # Started again at a new address (a rescheduled pod): the node
         # advertises it by itself and rejoins with the same id.
         self.move(node, NEW_IP[node])
-        t1 = time.time()
-        c.docker("start", c.ids[node])
-        c.rejoin(node)
-        res["timings"]["restart_to_rejoined_s"] = round(time.time() - t1, 2)
+        res["timings"]["restart_to_rejoined_s"] = self.start(node)
         self.expect_address(res, node, NEW_IP[node])
         # And back, through a graceful stop: after a planned leave the id is
         # free at once, at any address.
-        c.docker("stop", "-t", str(self.args.stop_timeout), c.ids[node], timeout=self.args.stop_timeout + 30)
+        self.stop(node)
         self.move(node, NODE_IP[node])
-        t2 = time.time()
-        c.docker("start", c.ids[node])
-        c.rejoin(node)
-        res["timings"]["graceful_restart_back_rejoined_s"] = round(time.time() - t2, 2)
+        res["timings"]["graceful_restart_back_rejoined_s"] = self.start(node)
         self.expect_address(res, node, NODE_IP[node])
+
+    def stop(self, node):
+        """`docker stop` (SIGTERM, then SIGKILL after --stop-timeout); seconds it took."""
+        t = time.time()
+        self.c.docker("stop", "-t", str(self.args.stop_timeout), self.c.ids[node],
+                      timeout=self.args.stop_timeout + 30)
+        return round(time.time() - t, 2)
+
+    def start(self, node):
+        """`docker start`, then waits until `node` has rejoined; seconds it took."""
+        t = time.time()
+        self.c.docker("start", self.c.ids[node])
+        self.c.rejoin(node)
+        return round(time.time() - t, 2)
 
     def move(self, node, ip):
         """Gives the (stopped) container of `node` the address `ip`."""
@@ -443,8 +451,7 @@ class Runner:
         start_ms = ms(t0)
         for node in NODES:
             t = time.time()
-            c.docker("stop", "-t", str(self.args.stop_timeout), c.ids[node], timeout=self.args.stop_timeout + 30)
-            res["timings"][f"{node}_stop_s"] = round(time.time() - t, 2)
+            res["timings"][f"{node}_stop_s"] = self.stop(node)
             code = c.docker("inspect", "-f", "{{.State.ExitCode}}", c.ids[node]).strip()
             self.expect(res, f"{node} exits 0 on SIGTERM", code == "0", code)
             said = [l.split("  ", 1)[-1][:160] for l in c.docker(
@@ -452,10 +459,7 @@ class Runner:
                 if "drain" in l or "hand over" in l]
             self.expect(res, f"{node} drained through a planned handoff",
                         any("every extent handed over" in l for l in said), said[-1:] or "no drain in its log")
-            t = time.time()
-            c.docker("start", c.ids[node])
-            c.rejoin(node)
-            res["timings"][f"{node}_ready_s"] = round(time.time() - t, 2)
+            res["timings"][f"{node}_ready_s"] = self.start(node)
         res["timings"]["total_s"] = round(time.time() - t0, 2)
         time.sleep(1)
         r = rl.summary(start_ms)

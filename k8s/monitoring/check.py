@@ -422,36 +422,32 @@ def _varint(v):
             return bytes(out)
 
 
+def _read_varint(msg, i):
+    """The varint at msg[i:]: (its value, the index after it)."""
+    v, shift = 0, 0
+    while True:
+        b = msg[i]
+        i += 1
+        v |= (b & 127) << shift
+        shift += 7
+        if not b & 128:
+            return v, i
+
+
 def _field_bytes(msg, field):
     """The first length-delimited field `field` of a protobuf message."""
     i = 0
     while i < len(msg):
-        key, shift = 0, 0
-        while True:
-            b = msg[i]
-            i += 1
-            key |= (b & 127) << shift
-            shift += 7
-            if not b & 128:
-                break
+        key, i = _read_varint(msg, i)
         f, wt = key >> 3, key & 7
         if wt == 0:
-            while msg[i] & 128:
-                i += 1
-            i += 1
+            _, i = _read_varint(msg, i)
         elif wt == 1:
             i += 8
         elif wt == 5:
             i += 4
         elif wt == 2:
-            n, shift = 0, 0
-            while True:
-                b = msg[i]
-                i += 1
-                n |= (b & 127) << shift
-                shift += 7
-                if not b & 128:
-                    break
+            n, i = _read_varint(msg, i)
             if f == field:
                 return msg[i:i + n]
             i += n
