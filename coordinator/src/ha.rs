@@ -123,7 +123,7 @@ impl Leadership {
     /// redirects writes); otherwise why not.
     pub(crate) fn readiness(&self) -> Result<(), String> {
         let v = self.view();
-        if let Some((p, _)) = &self.lock().problem {
+        if let Some(p) = v.problem {
             return Err(format!("state store: {p}"));
         }
         match (v.role, &v.leader) {

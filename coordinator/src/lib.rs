@@ -357,7 +357,7 @@ pub async fn run(
         if stopping.ha.is_leading() {
             let epoch = {
                 let c = stopping.cluster();
-                c.persist_on_shutdown().map(|()| c.epoch())
+                c.save().map(|()| c.epoch())
             };
             match epoch {
                 Ok(epoch) => tracing::info!(epoch, "state persisted"),

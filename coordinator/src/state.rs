@@ -747,16 +747,10 @@ impl Cluster {
         }
     }
 
-    /// Saves the state as it is, on shutdown (every change was saved when
-    /// it was made; this writes it once more so the last word on disk is
-    /// this process's).
-    pub(crate) fn persist_on_shutdown(&self) -> Result<(), CoordError> {
-        self.save()
-    }
-
     /// Saves without a new epoch (a registration, a policy, a drain that
-    /// moved nothing).
-    fn save(&self) -> Result<(), CoordError> {
+    /// moved nothing; once more on shutdown, so the last word in the store
+    /// is this process's).
+    pub(crate) fn save(&self) -> Result<(), CoordError> {
         self.store_save(None)
     }
 

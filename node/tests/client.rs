@@ -82,6 +82,27 @@ impl Proc {
         assert!(ok.success(), "kill -{signal} {}", self.name);
     }
 
+    /// Waits until the process exits, at most `limit` after `since` (when
+    /// `what` happened to it); its exit status.
+    fn wait_exit(
+        &mut self,
+        since: Instant,
+        limit: Duration,
+        what: &str,
+    ) -> std::process::ExitStatus {
+        loop {
+            if let Some(st) = self.child.try_wait().expect("wait") {
+                return st;
+            }
+            assert!(
+                since.elapsed() < limit,
+                "{} did not exit within {limit:?} of {what}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn kill9(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -560,16 +581,9 @@ fn a_sigterm_drains_the_node_with_no_failed_read_and_a_second_one_exits_at_once(
         http_status(&http, "/readyz") == Some(503)
     });
     let unready = term.elapsed();
-    let status = loop {
-        if let Some(st) = c.node("d2").child.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(
-            term.elapsed() < Duration::from_secs(20),
-            "d2 did not exit within 20 s of SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = c
+        .node("d2")
+        .wait_exit(term, Duration::from_secs(20), "SIGTERM");
     let exited = term.elapsed();
     assert!(status.success(), "d2 exited with {status}");
     let map = c.map().expect("map");
@@ -626,16 +640,9 @@ fn a_sigterm_drains_the_node_with_no_failed_read_and_a_second_one_exits_at_once(
     );
     c.node("d3").signal("TERM");
     let second = Instant::now();
-    let status = loop {
-        if let Some(st) = c.node("d3").child.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(
-            second.elapsed() < Duration::from_secs(2),
-            "d3 did not exit within 2 s of its second SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let status = c
+        .node("d3")
+        .wait_exit(second, Duration::from_secs(2), "its second SIGTERM");
     c.coord.as_ref().expect("coordinator").signal("CONT");
     let log = std::fs::read_to_string(&c.node("d3").log).unwrap_or_default();
     assert!(

@@ -271,10 +271,7 @@ impl Node {
 /// the coordinator only once it runs.
 async fn route_to_coordinator(coordinators: &[String]) -> Result<std::net::IpAddr, DaemonError> {
     let first = coordinators.first().map(String::as_str).unwrap_or_default();
-    let target = first
-        .trim_start_matches("https://")
-        .trim_start_matches("http://")
-        .trim_end_matches('/');
+    let target = pagewire_proto::leader::host_port(first);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut warned = false;
     loop {
@@ -496,9 +493,14 @@ async fn shutdown(
     signals: &mut tokio::sync::mpsc::UnboundedReceiver<()>,
 ) {
     node.draining.store(true, Ordering::Relaxed);
-    if !cfg.leave_on_shutdown {
+    // Stop answering before the coordinator can move anything more, and no
+    // heartbeat or registration after this: leaving is final.
+    let stop_serving = || {
         node.lease.revoke();
         agent_task.abort();
+    };
+    if !cfg.leave_on_shutdown {
+        stop_serving();
         return;
     }
     let graceful = async {
@@ -519,17 +521,13 @@ async fn shutdown(
                 "drain timed out; leaving with extents still served"
             ),
         }
-        // Stop answering before the coordinator can move anything more.
-        node.lease.revoke();
-        // No heartbeat or registration after this: leaving is final.
-        agent_task.abort();
+        stop_serving();
         agent.leave().await;
     };
     tokio::select! {
         () = graceful => {}
         Some(()) = signals.recv() => {
-            node.lease.revoke();
-            agent_task.abort();
+            stop_serving();
             tracing::warn!("second signal: exiting at once, without finishing the drain");
         }
     }
