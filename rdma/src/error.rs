@@ -88,6 +88,10 @@ pub enum ConnectError {
     /// The RDMA device could not be opened or configured.
     #[error("rdma device error: {0}")]
     Device(String),
+    /// The peer refused the connection (verbs: it already serves as many
+    /// readers as its queue-pair cap allows).
+    #[error("refused by the peer: {0}")]
+    Refused(String),
 }
 
 /// Why memory could not be registered.
@@ -103,6 +107,22 @@ pub enum RegisterError {
     /// The device refused the registration (verbs).
     #[error("rdma device error: {0}")]
     Device(String),
+    /// Registration pins the memory, and this process may not lock that
+    /// much (verbs): `RLIMIT_MEMLOCK` is below the region's size and the
+    /// process lacks `CAP_IPC_LOCK` in its effective set.
+    #[error(
+        "registering {need} bytes for RDMA pins them, but this process may lock only {limit} bytes \
+         (RLIMIT_MEMLOCK) and lacks CAP_IPC_LOCK: raise the memlock limit to at least {need} bytes or \
+         unlimited (`ulimit -l unlimited`; systemd LimitMEMLOCK=infinity; docker --ulimit memlock=-1:-1; \
+         in Kubernetes the container runtime's default memlock ulimit); adding IPC_LOCK to a non-root \
+         container does not reach its process's effective set"
+    )]
+    MemlockLimit {
+        /// The soft `RLIMIT_MEMLOCK`, in bytes.
+        limit: u64,
+        /// Bytes the registration would pin.
+        need: u64,
+    },
     /// The owner is shut down.
     #[error("the owner is closed")]
     Closed,

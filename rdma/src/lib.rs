@@ -26,6 +26,10 @@
 //! Every descriptor of an owner carries the owner's epoch, random or chosen
 //! by the caller (the node's incarnation), never 0 ([`OwnerError::ZeroEpoch`]).
 //!
+//! [`SharedConnection`] lets every thread of a process read through one
+//! connection per owner (one RC queue pair on `verbs`), each thread with a
+//! [`SharedHandle`] of its own.
+//!
 //! [`Chaos`] makes the `tcp` and `shm` copies visit cache lines in random order
 //! and pause mid-copy, so that torn reads really happen in tests: no RDMA NIC
 //! promises that a READ observes memory in ascending address order, so a
@@ -47,6 +51,7 @@ mod descriptor;
 mod error;
 mod handshake;
 mod memory;
+mod shared;
 pub mod shm;
 mod spin;
 pub mod tcp;
@@ -63,6 +68,7 @@ pub use copy::Chaos;
 pub use descriptor::{DecodeError, RegionDescriptor};
 pub use error::{AccessFault, ConnectError, OwnerError, PostError, ReadError, RegisterError};
 pub use memory::MemoryOwner;
+pub use shared::{SharedConnection, SharedHandle, WeakShared};
 
 /// Memory registered for remote READ on the owner's side, whatever the backend.
 ///

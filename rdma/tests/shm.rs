@@ -75,6 +75,13 @@ impl conformance::EpochHarness for Shm {
 }
 
 conformance_tests!(Shm);
+
+/// The suite again with every connection a handle of one shared connection
+/// (how a reader process shares one per owner among its threads).
+mod shared {
+    use super::{Shm, conformance};
+    crate::conformance_tests!(conformance::Shared<Shm>);
+}
 epoch_tests!(Shm);
 
 #[test]

@@ -71,6 +71,13 @@ impl conformance::ExternalHarness for Tcp {
 }
 
 conformance_tests!(Tcp);
+
+/// The suite again with every connection a handle of one shared connection
+/// (how a reader process shares one per owner among its threads).
+mod shared {
+    use super::{Tcp, conformance};
+    crate::conformance_tests!(conformance::Shared<Tcp>);
+}
 epoch_tests!(Tcp);
 external_memory_tests!(Tcp);
 

@@ -74,6 +74,13 @@ impl conformance::ExternalHarness for Verbs {
 }
 
 conformance_tests!(Verbs, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
+
+/// The suite again with every connection a handle of one shared connection
+/// (how a reader process shares one per owner among its threads).
+mod shared {
+    use super::{Verbs, conformance};
+    crate::conformance_tests!(conformance::Shared<Verbs>, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
+}
 epoch_tests!(Verbs, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
 external_memory_tests!(Verbs, #[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]);
 

@@ -24,7 +24,7 @@ use crate::{
 };
 
 use super::nic::{Endpoint, Nic, connect_qp, create_qp, dev_err, open_nic};
-use super::{HANDSHAKE_TIMEOUT, MAGIC, VerbsConfig};
+use super::{MAGIC, VerbsConfig};
 
 /// How often a waiting reader looks at the control channel.
 const CONTROL_CHECK: Duration = Duration::from_millis(10);
@@ -88,10 +88,24 @@ impl VerbsConnection {
     /// come up.
     pub fn connect(addr: impl ToSocketAddrs, config: VerbsConfig) -> Result<Self, ConnectError> {
         let nic = open_nic(&config).map_err(ConnectError::Device)?;
-        let mut ctrl = TcpStream::connect(addr)?;
+        let limit = config.connect_timeout.max(Duration::from_millis(1));
+        let mut last = None;
+        let mut ctrl = None;
+        for a in addr.to_socket_addrs()? {
+            match TcpStream::connect_timeout(&a, limit) {
+                Ok(s) => {
+                    ctrl = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let mut ctrl = ctrl.ok_or_else(|| {
+            last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
+        })?;
         ctrl.set_nodelay(true)?;
-        ctrl.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        ctrl.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        ctrl.set_read_timeout(Some(limit))?;
+        ctrl.set_write_timeout(Some(limit))?;
         handshake::client(&mut ctrl, MAGIC, &config.token)?;
         let n = config.max_outstanding.clamp(1, 1 << 14);
         let slot_len = config.max_read_len.max(1);
@@ -157,6 +171,13 @@ impl VerbsConnection {
         ctrl.read_exact(&mut reply)?;
         let remote = Endpoint::from_bytes(&reply[..Endpoint::LEN]);
         let epoch = u64::from_le_bytes(reply[Endpoint::LEN..].try_into().expect("8 bytes"));
+        if remote.qpn == 0 {
+            return Err(ConnectError::Refused(format!(
+                "the owner already serves its most queue pairs ({}); \
+                 raise its transports.verbs_max_queue_pairs or read over tcp",
+                remote.psn
+            )));
+        }
         connect_qp(&mut qp, nic, local, remote, config, false).map_err(ConnectError::Device)?;
         Ok((qp, epoch))
     }

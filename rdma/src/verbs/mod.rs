@@ -40,7 +40,11 @@
 //! ```
 //!
 //! Repeated whenever the reader re-establishes; the owner then replaces its
-//! queue pair for that reader. Integers are little-endian. `epoch` is the
+//! queue pair for that reader. An owner that already serves
+//! [`VerbsConfig::max_queue_pairs`] readers answers a new reader's first
+//! endpoint with `qpn` 0 (never a real RC queue pair: QP0 is the subnet
+//! management QP), the cap in `psn` and epoch 0, and closes the channel:
+//! the reader fails with [`ConnectError::Refused`](crate::ConnectError::Refused). Integers are little-endian. `epoch` is the
 //! owner's, carried by every descriptor of its regions:
 //! [`VerbsConfig::epoch`] (the node's incarnation) or a random one.
 //!
@@ -59,7 +63,7 @@ mod owner;
 use std::time::Duration;
 
 pub use conn::VerbsConnection;
-pub use owner::{VerbsOwner, VerbsRegion};
+pub use owner::{VerbsOwner, VerbsRegion, check_memlock};
 
 const MAGIC: &[u8; 8] = b"PWVRB\0\0\x01";
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -90,15 +94,22 @@ pub struct VerbsConfig {
     pub retry_count: u8,
     /// A READ not completed within this long completes with `Timeout`.
     pub op_timeout: Duration,
+    /// Reader only: connecting the control socket and each step of the
+    /// handshake and endpoint exchange gives up after this long.
+    pub connect_timeout: Duration,
     /// Owner only: the epoch every descriptor carries (the node's
     /// incarnation); `None` picks a random one. Zero is reserved
     /// ([`OwnerError::ZeroEpoch`](crate::OwnerError::ZeroEpoch)). Connections ignore it.
     pub epoch: Option<u64>,
+    /// Owner only: readers served at once, at most (one RC queue pair each);
+    /// a reader past it is refused ([`VerbsOwner::refused`] counts them).
+    pub max_queue_pairs: usize,
 }
 
 impl VerbsConfig {
     /// Defaults: device from [`DEVICE_ENV`], port 1, 128 READs of up to 64 KiB
-    /// in flight, ~67 ms ACK timeout with 3 retries, 5 s operation timeout.
+    /// in flight, ~67 ms ACK timeout with 3 retries, 5 s operation timeout,
+    /// at most 1024 readers per owner.
     #[must_use]
     pub fn new(token: impl Into<Vec<u8>>) -> Self {
         Self {
@@ -111,7 +122,9 @@ impl VerbsConfig {
             ack_timeout: 14,
             retry_count: 3,
             op_timeout: Duration::from_secs(5),
+            connect_timeout: HANDSHAKE_TIMEOUT,
             epoch: None,
+            max_queue_pairs: 1024,
         }
     }
 }

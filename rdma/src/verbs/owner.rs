@@ -5,7 +5,7 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -26,6 +26,10 @@ struct OwnerShared {
     epoch: u64,
     closed: AtomicBool,
     next_conn: AtomicU64,
+    /// Readers holding a queue pair now.
+    queue_pairs: AtomicUsize,
+    /// Readers refused at the cap.
+    refused: AtomicU64,
     conns: Mutex<HashMap<u64, TcpStream>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -56,6 +60,8 @@ impl VerbsOwner {
             epoch,
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
+            queue_pairs: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
             threads: Mutex::new(Vec::new()),
         });
@@ -76,6 +82,29 @@ impl VerbsOwner {
     #[must_use]
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Readers holding a queue pair of this owner now.
+    #[must_use]
+    pub fn queue_pairs(&self) -> usize {
+        self.shared.queue_pairs.load(Ordering::Relaxed)
+    }
+
+    /// Readers refused so far because [`VerbsConfig::max_queue_pairs`]
+    /// were already served.
+    #[must_use]
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
+    }
+
+    /// The device, port and GID index this owner serves on.
+    #[must_use]
+    pub fn device(&self) -> (String, u8, u8) {
+        (
+            self.shared.nic.name.clone(),
+            self.shared.nic.port,
+            self.shared.nic.gid_index,
+        )
     }
 
     /// The epoch every descriptor of this owner carries.
@@ -131,6 +160,7 @@ impl VerbsOwner {
     }
 
     fn register_memory(&self, mem: Memory) -> Result<VerbsRegion, RegisterError> {
+        check_memlock(mem.len() as u64)?;
         // SAFETY: `mem` is `mem.len()` bytes that stay valid while `mem`
         // lives (our mapping, or the caller's under `register_external`'s
         // contract); the returned region keeps `mem` until after the memory
@@ -201,6 +231,83 @@ impl LocalRegion for VerbsRegion {
     }
 }
 
+/// Whether this process may pin `need` more bytes: the soft
+/// `RLIMIT_MEMLOCK` covers them (with what it already locked), or it holds
+/// `CAP_IPC_LOCK` in its effective set (which the kernel's pinning checks
+/// instead of the limit). Checked before `ibv_reg_mr`, whose own refusal
+/// is a bare `ENOMEM` that names neither.
+///
+/// # Errors
+/// [`RegisterError::MemlockLimit`] naming the limit and the size.
+pub fn check_memlock(need: u64) -> Result<(), RegisterError> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes one `rlimit` into a valid local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0 {
+        return Ok(()); // cannot tell: let the device decide
+    }
+    if lim.rlim_cur == libc::RLIM_INFINITY || has_cap_ipc_lock() {
+        return Ok(());
+    }
+    let locked = locked_bytes().unwrap_or(0);
+    if locked.saturating_add(need) > lim.rlim_cur {
+        return Err(RegisterError::MemlockLimit {
+            limit: lim.rlim_cur,
+            need: locked.saturating_add(need),
+        });
+    }
+    Ok(())
+}
+
+/// `CAP_IPC_LOCK` (bit 14) in this process's effective capabilities.
+fn has_cap_ipc_lock() -> bool {
+    proc_status_field("CapEff:")
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 14) != 0)
+}
+
+/// Bytes this process has locked or pinned already (`VmLck` + `VmPin`).
+fn locked_bytes() -> Option<u64> {
+    let kib = |f: &str| -> Option<u64> {
+        proc_status_field(f)?
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    };
+    Some((kib("VmLck:").unwrap_or(0) + kib("VmPin:").unwrap_or(0)) * 1024)
+}
+
+fn proc_status_field(name: &str) -> Option<String> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(name).map(str::to_owned))
+}
+
+/// One of the owner's `max_queue_pairs` places, held by a reader.
+struct QpPlace<'a>(&'a OwnerShared);
+
+impl<'a> QpPlace<'a> {
+    fn take(shared: &'a OwnerShared) -> Option<Self> {
+        let cap = shared.config.max_queue_pairs;
+        shared
+            .queue_pairs
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(shared))
+    }
+}
+
+impl Drop for QpPlace<'_> {
+    fn drop(&mut self) {
+        self.0.queue_pairs.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 fn owner_accept(listener: &TcpListener, shared: &Arc<OwnerShared>) {
     loop {
         let stream = match listener.accept() {
@@ -259,6 +366,9 @@ fn owner_serve(mut stream: TcpStream, shared: &OwnerShared) -> io::Result<()> {
         .build()
         .map_err(io::Error::other)?;
     let mut _qp: Option<BasicQueuePair> = None;
+    // Holds one of the owner's queue-pair places from the first endpoint
+    // on; gives it back when the reader goes.
+    let mut place: Option<QpPlace<'_>> = None;
     loop {
         let mut msg = [0u8; Endpoint::LEN];
         if let Err(e) = stream.read_exact(&mut msg) {
@@ -269,6 +379,29 @@ fn owner_serve(mut stream: TcpStream, shared: &OwnerShared) -> io::Result<()> {
             };
         }
         let remote = Endpoint::from_bytes(&msg);
+        if place.is_none() {
+            match QpPlace::take(shared) {
+                Some(p) => place = Some(p),
+                None => {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    let cap = shared.config.max_queue_pairs;
+                    tracing::warn!(
+                        cap,
+                        "verbs owner: refused a reader: it already serves the most queue pairs allowed (transports.verbs_max_queue_pairs)"
+                    );
+                    let mut reply = [0u8; Endpoint::LEN + 8];
+                    let refusal = Endpoint {
+                        qpn: 0,
+                        psn: u32::try_from(cap).unwrap_or(u32::MAX),
+                        lid: 0,
+                        gid: [0; 16],
+                    };
+                    reply[..Endpoint::LEN].copy_from_slice(&refusal.to_bytes());
+                    stream.write_all(&reply)?;
+                    return Ok(());
+                }
+            }
+        }
         _qp = None;
         let (mut qp, local) = create_qp(&shared.nic, &cq, 4).map_err(io::Error::other)?;
         connect_qp(&mut qp, &shared.nic, local, remote, &shared.config, true)

@@ -772,3 +772,46 @@ macro_rules! external_memory_tests {
         }
     };
 }
+
+/// Any backend's connections shared the way a reader process shares one
+/// per owner among its threads: every `connect` is a new
+/// [`SharedHandle`](pagewire_rdma::SharedHandle) of one
+/// [`SharedConnection`](pagewire_rdma::SharedConnection) (a new one once it
+/// broke), so the suite's concurrent connections are handles multiplexed
+/// onto one connection, and each must still get exactly its own
+/// completions.
+pub struct Shared<H: Harness> {
+    inner: H,
+    conn: std::sync::Mutex<Option<pagewire_rdma::SharedConnection<H::Conn>>>,
+}
+
+impl<H: Harness> Harness for Shared<H> {
+    type Region = H::Region;
+    type Conn = pagewire_rdma::SharedHandle<H::Conn>;
+    const CHAOS: bool = H::CHAOS;
+
+    fn new(chaos: Option<Chaos>) -> Self {
+        Self {
+            inner: H::new(chaos),
+            conn: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn register(&self, len: usize) -> Self::Region {
+        self.inner.register(len)
+    }
+
+    fn connect(&self) -> Self::Conn {
+        let mut g = self.conn.lock().expect("lock");
+        if g.as_ref()
+            .is_none_or(pagewire_rdma::SharedConnection::is_broken)
+        {
+            *g = Some(pagewire_rdma::SharedConnection::new(self.inner.connect()));
+        }
+        g.as_ref().expect("set above").handle()
+    }
+
+    fn kill(&self) {
+        self.inner.kill();
+    }
+}

@@ -1,0 +1,439 @@
+//! One connection shared by every thread of a process.
+//!
+//! RC queue pairs are a scarce resource on the owner's NIC (each one is
+//! state the NIC caches; see ARCHITECTURE.md, "Connections"), so a reader
+//! process opens one connection per owner and every thread reads through
+//! it. [`SharedConnection`] wraps any [`Connection`] (single poster, `&mut
+//! self`) and hands out [`SharedHandle`]s, each a [`Connection`] of its
+//! own that a thread owns. The handles post into the one connection and
+//! each gets back exactly the completions of its own requests.
+//!
+//! # Protocol
+//!
+//! **State.** One mutex holds the inner connection and, per live handle, a
+//! queue of completions that arrived for it. A handle owns a slab of the
+//! caller ids it has outstanding.
+//!
+//! **Ids.** A handle posts request `i` of its slab with the wire id
+//! `handle << 32 | i`; the caller's own id stays in the slab. Whoever polls
+//! the inner connection (any handle, under the mutex) files each completion
+//! in the queue of the handle its id names; a handle takes its own queue
+//! and translates slab indexes back to its caller's ids.
+//!
+//! **Buffers.** The inner connection writes a request's local buffer when
+//! its completion is polled, possibly by another handle's thread. That is
+//! inside the `post_reads` contract: the poster keeps the buffer valid and
+//! untouched until its handle returns the completion, which is after the
+//! write (the mutex orders the inner poll before the queue is taken). A
+//! handle dropped with requests outstanding waits for their completions
+//! first (every accepted request completes, with an error at worst after
+//! the inner connection's operation timeout), so no buffer is written after
+//! its handle is gone.
+//!
+//! **Broken.** A `ConnectionLost` completion or post marks the shared
+//! connection broken ([`SharedConnection::is_broken`]): whoever hands out
+//! handles opens a fresh connection for new readers instead.
+//!
+//! Waiting holds the mutex for at most [`WAIT_SLICE`] at a time, so a
+//! thread posting never waits long behind another thread's wait.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::{Completion, Connection, Limits, PostError, ReadError, ReadRequest};
+
+/// The longest a waiting handle holds the shared connection's lock.
+pub const WAIT_SLICE: Duration = Duration::from_micros(200);
+
+/// How long a handle whose batch does not fit (other threads' READs fill
+/// the connection) keeps polling for room before it reports `QueueFull`.
+const ROOM_WAIT: Duration = Duration::from_secs(1);
+
+struct Inner<C> {
+    conn: C,
+    /// Completions filed for each live handle, with wire ids.
+    queues: HashMap<u32, Vec<Completion>>,
+    scratch: Vec<Completion>,
+}
+
+struct Shared<C> {
+    inner: Mutex<Inner<C>>,
+    next_handle: AtomicU32,
+    broken: AtomicBool,
+    limits: Limits,
+}
+
+impl<C: Connection> Shared<C> {
+    fn lock(&self) -> MutexGuard<'_, Inner<C>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Files the completions in `inner.scratch` into their handles' queues.
+    fn file(&self, inner: &mut Inner<C>) {
+        let Inner {
+            queues, scratch, ..
+        } = inner;
+        for c in scratch.drain(..) {
+            if matches!(c.result, Err(ReadError::ConnectionLost)) {
+                self.broken.store(true, Ordering::Relaxed);
+            }
+            let h = (c.id >> 32) as u32;
+            // A handle's queue lives until the handle is gone, and a handle
+            // goes only after its last completion: every id finds its queue.
+            if let Some(q) = queues.get_mut(&h) {
+                q.push(c);
+            } else {
+                debug_assert!(false, "a completion for handle {h}, which is gone");
+            }
+        }
+    }
+}
+
+/// A connection shared by the threads of a process; see the module doc.
+pub struct SharedConnection<C: Connection> {
+    shared: Arc<Shared<C>>,
+}
+
+impl<C: Connection> Clone for SharedConnection<C> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<C: Connection> SharedConnection<C> {
+    /// Shares `conn`, which must have nothing outstanding.
+    #[must_use]
+    pub fn new(conn: C) -> Self {
+        debug_assert_eq!(conn.outstanding(), 0);
+        let limits = conn.limits();
+        Self {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    conn,
+                    queues: HashMap::new(),
+                    scratch: Vec::new(),
+                }),
+                next_handle: AtomicU32::new(0),
+                broken: AtomicBool::new(false),
+                limits,
+            }),
+        }
+    }
+
+    /// A new handle: a [`Connection`] of its own, for one thread.
+    #[must_use]
+    pub fn handle(&self) -> SharedHandle<C> {
+        let mut inner = self.shared.lock();
+        // Skip an id still in use (after 2^32 handles the counter wraps).
+        let id = loop {
+            let id = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
+            if !inner.queues.contains_key(&id) {
+                break id;
+            }
+        };
+        inner.queues.insert(id, Vec::new());
+        SharedHandle {
+            shared: Arc::clone(&self.shared),
+            id,
+            slab: Vec::new(),
+            free: Vec::new(),
+            outstanding: 0,
+        }
+    }
+
+    /// Whether the connection was lost (a `ConnectionLost` completion or
+    /// post): open a fresh one for new readers.
+    #[must_use]
+    pub fn is_broken(&self) -> bool {
+        self.shared.broken.load(Ordering::Relaxed)
+    }
+
+    /// A reference that does not keep the connection open: once the last
+    /// [`SharedConnection`] and [`SharedHandle`] of it are gone, the
+    /// connection closes and [`WeakShared::upgrade`] returns `None`.
+    #[must_use]
+    pub fn downgrade(&self) -> WeakShared<C> {
+        WeakShared(Arc::downgrade(&self.shared))
+    }
+
+    /// Handles alive now.
+    #[must_use]
+    pub fn handles(&self) -> usize {
+        self.shared.lock().queues.len()
+    }
+}
+
+/// A [`SharedConnection`] that is not kept open by this reference (for a
+/// process-wide registry of connections).
+pub struct WeakShared<C: Connection>(std::sync::Weak<Shared<C>>);
+
+impl<C: Connection> WeakShared<C> {
+    /// The connection, if anyone still holds it.
+    #[must_use]
+    pub fn upgrade(&self) -> Option<SharedConnection<C>> {
+        self.0.upgrade().map(|shared| SharedConnection { shared })
+    }
+}
+
+/// One thread's use of a [`SharedConnection`].
+pub struct SharedHandle<C: Connection> {
+    shared: Arc<Shared<C>>,
+    id: u32,
+    /// Caller ids of this handle's outstanding requests, by slab index.
+    slab: Vec<Option<u64>>,
+    free: Vec<u32>,
+    outstanding: usize,
+}
+
+impl<C: Connection> SharedHandle<C> {
+    /// Polls the inner connection (filing what arrived) and moves this
+    /// handle's completions to `out`, with the caller's ids.
+    fn collect(&mut self, inner: &mut Inner<C>, out: &mut Vec<Completion>) -> usize {
+        let mut scratch = std::mem::take(&mut inner.scratch);
+        inner.conn.poll(&mut scratch);
+        inner.scratch = scratch;
+        self.shared.file(inner);
+        self.take(inner, out)
+    }
+
+    fn take(&mut self, inner: &mut Inner<C>, out: &mut Vec<Completion>) -> usize {
+        let q = inner
+            .queues
+            .get_mut(&self.id)
+            .expect("a live handle's queue");
+        let n = q.len();
+        for c in q.drain(..) {
+            let slot = (c.id & 0xffff_ffff) as u32;
+            let id = self.slab[slot as usize]
+                .take()
+                .expect("one completion per request");
+            self.free.push(slot);
+            self.outstanding -= 1;
+            out.push(Completion {
+                id,
+                result: c.result,
+            });
+        }
+        n
+    }
+
+    fn slot(&mut self, caller: u64) -> u32 {
+        if let Some(s) = self.free.pop() {
+            self.slab[s as usize] = Some(caller);
+            s
+        } else {
+            self.slab.push(Some(caller));
+            (self.slab.len() - 1) as u32
+        }
+    }
+}
+
+// SAFETY: every request a handle accepts is posted on the inner connection
+// (which completes it exactly once) under a wire id naming this handle, and
+// its completion is handed out only by this handle's `poll`/`wait`, after
+// the inner connection wrote its buffer. A rejected batch rolls its slab
+// entries back, so nothing is reported for it. Drop waits for every
+// outstanding completion, so no buffer is written after the handle is gone.
+unsafe impl<C: Connection> Connection for SharedHandle<C> {
+    unsafe fn post_reads(&mut self, reads: &[ReadRequest]) -> Result<(), PostError> {
+        if self.shared.broken.load(Ordering::Relaxed) {
+            return Err(PostError::ConnectionLost);
+        }
+        let limit = self.shared.limits.max_outstanding;
+        if reads.len() > limit {
+            return Err(PostError::QueueFull {
+                outstanding: self.outstanding,
+                requested: reads.len(),
+                limit,
+            });
+        }
+        let slots: Vec<u32> = reads.iter().map(|r| self.slot(r.id)).collect();
+        let wire: Vec<ReadRequest> = reads
+            .iter()
+            .zip(&slots)
+            .map(|(r, &s)| ReadRequest {
+                id: (u64::from(self.id) << 32) | u64::from(s),
+                ..*r
+            })
+            .collect();
+        let start = Instant::now();
+        let shared = Arc::clone(&self.shared);
+        loop {
+            let mut inner = shared.lock();
+            // SAFETY: forwarded from this function's contract; the buffers
+            // stay the caller's until this handle returns their completions.
+            match unsafe { inner.conn.post_reads(&wire) } {
+                Ok(()) => {
+                    self.outstanding += reads.len();
+                    return Ok(());
+                }
+                Err(PostError::QueueFull { .. }) if start.elapsed() < ROOM_WAIT => {
+                    // Other threads' READs fill the connection: make room by
+                    // polling (filing theirs), then try again.
+                    let mut scratch = std::mem::take(&mut inner.scratch);
+                    inner.conn.poll(&mut scratch);
+                    inner.scratch = scratch;
+                    shared.file(&mut inner);
+                    drop(inner);
+                    std::thread::yield_now();
+                }
+                Err(e) => {
+                    drop(inner);
+                    if matches!(e, PostError::ConnectionLost) {
+                        shared.broken.store(true, Ordering::Relaxed);
+                    }
+                    for s in slots {
+                        self.slab[s as usize] = None;
+                        self.free.push(s);
+                    }
+                    return Err(match e {
+                        PostError::QueueFull {
+                            requested, limit, ..
+                        } => PostError::QueueFull {
+                            outstanding: self.outstanding,
+                            requested,
+                            limit,
+                        },
+                        e => e,
+                    });
+                }
+            }
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        let shared = Arc::clone(&self.shared);
+        let mut inner = shared.lock();
+        self.collect(&mut inner, out)
+    }
+
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> usize {
+        let start = Instant::now();
+        let shared = Arc::clone(&self.shared);
+        loop {
+            {
+                let mut inner = shared.lock();
+                let n = self.take(&mut inner, out);
+                if n > 0 || self.outstanding == 0 {
+                    return n;
+                }
+                let left = timeout.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return 0;
+                }
+                let mut scratch = std::mem::take(&mut inner.scratch);
+                inner.conn.wait(&mut scratch, left.min(WAIT_SLICE));
+                inner.scratch = scratch;
+                shared.file(&mut inner);
+                let n = self.take(&mut inner, out);
+                if n > 0 {
+                    return n;
+                }
+            }
+            // Let a thread that wants to post or collect have the lock.
+            std::thread::yield_now();
+        }
+    }
+
+    fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    fn limits(&self) -> Limits {
+        self.shared.limits
+    }
+}
+
+impl<C: Connection> Drop for SharedHandle<C> {
+    fn drop(&mut self) {
+        // The inner connection may still write the buffers of outstanding
+        // requests: wait for them (each completes, at worst with its
+        // timeout), then remove the queue.
+        let mut sink = Vec::new();
+        while self.outstanding > 0 {
+            sink.clear();
+            self.wait(&mut sink, Duration::from_millis(100));
+        }
+        self.shared.lock().queues.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LocalRegion, tcp};
+
+    const TOKEN: &[u8] = b"shared-connection-test";
+
+    #[test]
+    fn threads_share_one_connection_and_each_gets_its_own_completions() {
+        let responder =
+            tcp::TcpResponder::bind("127.0.0.1:0", tcp::ResponderConfig::new(TOKEN)).expect("bind");
+        let region = responder.register(1 << 16).expect("register");
+        let bytes: Vec<u8> = (0..1 << 16).map(|i| (i * 7 + i / 251) as u8).collect();
+        region.write_bytes(0, &bytes);
+        let desc = region.descriptor();
+        let mut cfg = tcp::ConnectionConfig::new(TOKEN);
+        cfg.max_outstanding = 8;
+        let conn = tcp::TcpConnection::connect(responder.local_addr(), cfg).expect("connect");
+        let shared = SharedConnection::new(conn);
+        let bytes = Arc::new(bytes);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let mut h = shared.handle();
+                let bytes = Arc::clone(&bytes);
+                s.spawn(move || {
+                    for round in 0..300u64 {
+                        // Batches of 3 from 4 threads overflow 8 slots: the
+                        // handles wait for room instead of failing.
+                        let mut bufs = [[0u8; 64]; 3];
+                        let offs: Vec<u64> = (0..3)
+                            .map(|i| ((t * 977 + round * 131 + i * 4099) % 1000) * 64)
+                            .collect();
+                        let mut reads: Vec<(u64, &mut [u8])> = offs
+                            .iter()
+                            .zip(bufs.iter_mut())
+                            .map(|(&o, b)| (o, &mut b[..]))
+                            .collect();
+                        let r = crate::read_blocking(&mut h, desc, &mut reads).expect("post");
+                        assert!(r.iter().all(Result::is_ok), "{r:?}");
+                        for (o, b) in offs.iter().zip(bufs.iter()) {
+                            assert_eq!(&b[..], &bytes[*o as usize..*o as usize + 64]);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(shared.handles(), 0);
+        assert!(!shared.is_broken());
+    }
+
+    #[test]
+    fn a_lost_peer_breaks_the_shared_connection() {
+        let responder =
+            tcp::TcpResponder::bind("127.0.0.1:0", tcp::ResponderConfig::new(TOKEN)).expect("bind");
+        let region = responder.register(4096).expect("register");
+        let desc = region.descriptor();
+        let conn =
+            tcp::TcpConnection::connect(responder.local_addr(), tcp::ConnectionConfig::new(TOKEN))
+                .expect("connect");
+        let shared = SharedConnection::new(conn);
+        let mut h = shared.handle();
+        let mut b = [0u8; 64];
+        let r = crate::read_blocking(&mut h, desc, &mut [(0, &mut b[..])]).expect("post");
+        assert!(r[0].is_ok());
+        responder.shutdown();
+        drop(region);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !shared.is_broken() && Instant::now() < deadline {
+            // Errors are what this waits for; only the flag matters.
+            let _ = crate::read_blocking(&mut h, desc, &mut [(0, &mut b[..])]);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(shared.is_broken(), "a lost peer must mark it broken");
+    }
+}
