@@ -113,7 +113,9 @@ mod follower;
 pub(crate) mod owner;
 
 pub use follower::{FollowerConfig, MapFollower, trust_window};
-pub use owner::TransportChoice;
+#[cfg(feature = "verbs")]
+pub use owner::verbs::{ACK_TIMEOUT_ENV as VERBS_ACK_TIMEOUT_ENV, RETRY_ENV as VERBS_RETRY_ENV};
+pub use owner::{Transport, TransportChoice};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -196,6 +198,10 @@ pub struct ReadInfo {
     pub owner: u32,
     /// Attempts this read took (1: no retry).
     pub attempts: u32,
+    /// The transport of the one-sided connection to the answering node
+    /// (`None` for the gRPC `Read`): a `FaultIn` read names the transport
+    /// whose miss sent it to the owner.
+    pub transport: Option<Transport>,
 }
 
 /// Counters of one [`ClusterClient`].
@@ -209,6 +215,10 @@ pub struct ClientStats {
     pub fault_ins: u64,
     /// Reads answered by the gRPC `Read`.
     pub grpc_reads: u64,
+    /// Of `one_sided`, those read over shm, verbs and tcp.
+    pub one_sided_shm: u64,
+    pub one_sided_verbs: u64,
+    pub one_sided_tcp: u64,
     /// Writes acknowledged.
     pub writes: u64,
     /// attempts beyond the first (owner unreachable, stale map, moving extent, lease wait)
@@ -469,8 +479,20 @@ impl ClusterClient {
             ReadPath::Grpc => c.grpc_read(snap, page, len, out, left),
         })?;
         self.stats.reads += 1;
+        let transport = match via {
+            Via::Grpc => None,
+            _ => self.owners.get(&owner).map(|o| o.reader.transport()),
+        };
         match via {
-            Via::OneSided => self.stats.one_sided += 1,
+            Via::OneSided => {
+                self.stats.one_sided += 1;
+                match transport {
+                    Some(Transport::Shm) => self.stats.one_sided_shm += 1,
+                    Some(Transport::Verbs) => self.stats.one_sided_verbs += 1,
+                    Some(Transport::Tcp) => self.stats.one_sided_tcp += 1,
+                    None => {}
+                }
+            }
             Via::FaultIn => self.stats.fault_ins += 1,
             Via::Grpc => self.stats.grpc_reads += 1,
         }
@@ -478,6 +500,7 @@ impl ClusterClient {
             via,
             owner,
             attempts,
+            transport,
         })
     }
 

@@ -30,54 +30,101 @@ pub(crate) type NodeRpc = NodeClient<
 pub enum TransportChoice {
     /// `shm` when the owner's shm file is reachable from this host (a live
     /// owner under that name in the directory its descriptor names), else
-    /// `tcp`.
+    /// `verbs` when the owner publishes it and this process has a usable
+    /// RDMA device (and was built with the `verbs` feature), else `tcp`.
     #[default]
     Auto,
     /// `shm` only: an owner on another host cannot be read.
     Shm,
     /// `tcp` only, even for an owner on this host.
     Tcp,
+    /// `verbs` only: an owner without a verbs descriptor, or a process
+    /// without an RDMA device, cannot be read one-sidedly.
+    Verbs,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            "verbs" => Ok(Self::Verbs),
+            other => Err(format!("transport {other:?}: one of auto, shm, verbs, tcp")),
+        }
+    }
+}
+
+/// The transport a one-sided read went over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transport {
+    Shm,
+    Verbs,
+    Tcp,
+}
+
+impl Transport {
+    /// Its name in descriptors and reports.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Verbs => "verbs",
+            Transport::Tcp => "tcp",
+        }
+    }
 }
 
 /// A one-sided reader over one of the transports.
 pub(crate) enum Reader {
     Shm(RemoteReader<ShmConnection>),
     Tcp(RemoteReader<TcpConnection>),
+    #[cfg(feature = "verbs")]
+    Verbs(RemoteReader<verbs::Handle>),
+}
+
+/// The same call on whichever reader it is.
+macro_rules! each {
+    ($self:expr, $r:ident => $e:expr) => {
+        match $self {
+            Reader::Shm($r) => $e,
+            Reader::Tcp($r) => $e,
+            #[cfg(feature = "verbs")]
+            Reader::Verbs($r) => $e,
+        }
+    };
 }
 
 impl Reader {
     pub(crate) fn read_page(&mut self, page: u64, out: &mut [u8]) -> Result<Outcome, RemoteError> {
-        match self {
-            Reader::Shm(r) => r.read_page(page, out),
-            Reader::Tcp(r) => r.read_page(page, out),
-        }
+        each!(self, r => r.read_page(page, out))
     }
 
     pub(crate) fn learn(&mut self, page: u64, frame: u32, generation: u64) {
-        match self {
-            Reader::Shm(r) => r.learn(page, frame, generation),
-            Reader::Tcp(r) => r.learn(page, frame, generation),
-        }
+        each!(self, r => r.learn(page, frame, generation));
     }
 
     pub(crate) fn trust_until(&mut self, until: Instant) {
-        match self {
-            Reader::Shm(r) => r.trust_until(until),
-            Reader::Tcp(r) => r.trust_until(until),
-        }
+        each!(self, r => r.trust_until(until));
     }
 
     pub(crate) fn stats(&self) -> ReaderStats {
-        match self {
-            Reader::Shm(r) => r.stats(),
-            Reader::Tcp(r) => r.stats(),
-        }
+        each!(self, r => r.stats())
     }
 
     pub(crate) fn file_len(&self) -> u64 {
+        each!(self, r => r.superblock().file_len)
+    }
+
+    /// The transport under it.
+    pub(crate) fn transport(&self) -> Transport {
         match self {
-            Reader::Shm(r) => r.superblock().file_len,
-            Reader::Tcp(r) => r.superblock().file_len,
+            Reader::Shm(_) => Transport::Shm,
+            Reader::Tcp(_) => Transport::Tcp,
+            #[cfg(feature = "verbs")]
+            Reader::Verbs(_) => Transport::Verbs,
         }
     }
 }
@@ -131,11 +178,12 @@ pub(crate) fn region_epoch(owner: &MapNode) -> Option<u64> {
 }
 
 /// Opens a reader to `owner`: its shm file when allowed and on this host,
-/// else its tcp responder when allowed. The error says why each descriptor
-/// tried failed.
+/// else its verbs queue pair (shared by the process) when allowed and
+/// usable, else its tcp responder when allowed. The error says why each
+/// descriptor tried failed.
 pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn, String> {
     let mut why = Vec::new();
-    if how.transport != TransportChoice::Tcp {
+    if matches!(how.transport, TransportChoice::Auto | TransportChoice::Shm) {
         for t in owner.transports.iter().filter(|t| t.kind == "shm") {
             let Some(d) = descriptor(t) else { continue };
             let dir = PathBuf::from(String::from_utf8_lossy(&t.opaque).into_owned());
@@ -159,7 +207,17 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
             }
         }
     }
-    if how.transport != TransportChoice::Shm {
+    if matches!(
+        how.transport,
+        TransportChoice::Auto | TransportChoice::Verbs
+    ) {
+        match verbs::connect(owner, how) {
+            Ok(Some(c)) => return Ok(c),
+            Ok(None) => {}
+            Err(e) => why.push(format!("verbs: {e}")),
+        }
+    }
+    if matches!(how.transport, TransportChoice::Auto | TransportChoice::Tcp) {
         for t in owner.transports.iter().filter(|t| t.kind == "tcp") {
             let Some(d) = descriptor(t) else { continue };
             let cfg = ConnectionConfig {
@@ -182,9 +240,10 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
     }
     if why.is_empty() {
         why.push(match how.transport {
-            TransportChoice::Auto => "it publishes no shm or tcp descriptor".into(),
+            TransportChoice::Auto => "it publishes no shm, verbs or tcp descriptor".into(),
             TransportChoice::Shm => "it publishes no shm descriptor".into(),
             TransportChoice::Tcp => "it publishes no tcp descriptor".into(),
+            TransportChoice::Verbs => "it publishes no verbs descriptor".into(),
         });
     }
     Err(why.join("; "))
@@ -257,4 +316,150 @@ pub(crate) async fn node_client(
         .await
         .map_err(|e| chain(&e))?;
     Ok(NodeClient::with_interceptor(ch, token.clone()))
+}
+
+/// One-sided reads over RDMA verbs: one RC queue pair per (this process,
+/// owner), shared by every reader of the process.
+#[cfg(feature = "verbs")]
+pub(crate) mod verbs {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Mutex, OnceLock};
+
+    use pagewire_proto::v1::MapNode;
+    use pagewire_rdma::verbs::{VerbsConfig, VerbsConnection};
+    use pagewire_rdma::{ConnectError, SharedConnection, SharedHandle, WeakShared};
+
+    use super::{ConnectHow, OwnerConn, Reader, TransportChoice, chain, descriptor};
+    use crate::remote::RemoteReader;
+
+    /// One thread's share of the process's queue pair to an owner.
+    pub(crate) type Handle = SharedHandle<VerbsConnection>;
+
+    type Registry = Mutex<HashMap<(String, u64), WeakShared<VerbsConnection>>>;
+
+    /// The process's verbs connections, by (owner endpoint, region epoch).
+    /// Weak: a connection closes when its last reader goes.
+    fn registry() -> &'static Registry {
+        static R: OnceLock<Registry> = OnceLock::new();
+        R.get_or_init(|| Mutex::new(HashMap::new()))
+    }
+
+    /// Why this process cannot use verbs (no device, no libibverbs), once
+    /// known: then `auto` goes straight to tcp.
+    static UNUSABLE: OnceLock<String> = OnceLock::new();
+
+    /// Environment variables that tune a reader's queue pairs (for slow
+    /// links such as soft-RoCE under an emulated CPU): the ACK timeout
+    /// exponent (4.096 µs × 2^n) and the transport retry count.
+    pub const ACK_TIMEOUT_ENV: &str = "PAGEWIRE_VERBS_ACK_TIMEOUT";
+    pub const RETRY_ENV: &str = "PAGEWIRE_VERBS_RETRY";
+
+    fn config(how: &ConnectHow<'_>) -> VerbsConfig {
+        let mut c = VerbsConfig::new(how.token.as_bytes().to_vec());
+        // Header + page, a bucket or a run: 64 KiB READs, 32 in flight. The
+        // bounce buffer (2 MiB) is pinned, so it counts against the
+        // reader's RLIMIT_MEMLOCK once per owner.
+        c.max_outstanding = 32;
+        c.max_read_len = 64 << 10;
+        c.op_timeout = how.tcp.op_timeout;
+        c.connect_timeout = how.tcp.connect_timeout;
+        let env_u8 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u8>().ok());
+        if let Some(v) = env_u8(ACK_TIMEOUT_ENV) {
+            c.ack_timeout = v.min(31);
+        }
+        if let Some(v) = env_u8(RETRY_ENV) {
+            c.retry_count = v.min(7);
+        }
+        c
+    }
+
+    /// A handle on the process's connection to `endpoint` at `epoch`,
+    /// connecting it if there is none (or it broke).
+    fn handle(endpoint: &str, epoch: u64, how: &ConnectHow<'_>) -> Result<Handle, ConnectError> {
+        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        reg.retain(|_, w| w.upgrade().is_some_and(|c| !c.is_broken()));
+        let key = (endpoint.to_owned(), epoch);
+        if let Some(c) = reg.get(&key).and_then(WeakShared::upgrade) {
+            return Ok(c.handle());
+        }
+        // Connecting under the lock: two threads of a process never open
+        // two queue pairs to one owner (bounded by the connect timeout).
+        let conn = VerbsConnection::connect(endpoint, config(how))?;
+        let shared = SharedConnection::new(conn);
+        reg.insert(key, shared.downgrade());
+        Ok(shared.handle())
+    }
+
+    /// A verbs reader of `owner`; `Ok(None)` when `auto` should go on to
+    /// tcp without complaint (the owner publishes no verbs, or this
+    /// process has no usable device: said once in the log).
+    pub(crate) fn connect(
+        owner: &MapNode,
+        how: &ConnectHow<'_>,
+    ) -> Result<Option<OwnerConn>, String> {
+        let auto = how.transport == TransportChoice::Auto;
+        let Some(t) = owner.transports.iter().find(|t| t.kind == "verbs") else {
+            return Ok(None);
+        };
+        if let Some(why) = UNUSABLE.get() {
+            return if auto { Ok(None) } else { Err(why.clone()) };
+        }
+        let Some(d) = descriptor(t) else {
+            return Err("an rkey above 32 bits".into());
+        };
+        let h = match handle(&t.endpoint, d.epoch, how) {
+            Ok(h) => h,
+            Err(ConnectError::Device(e)) => {
+                let why = format!("no usable RDMA device in this process: {e}");
+                let _ = UNUSABLE.set(why.clone());
+                static SAID: AtomicBool = AtomicBool::new(false);
+                if !SAID.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        reason = %why,
+                        "verbs: this process cannot read over RDMA; reading over tcp instead"
+                    );
+                }
+                return if auto { Ok(None) } else { Err(why) };
+            }
+            Err(e) => {
+                let why = chain(&e);
+                if auto {
+                    tracing::info!(
+                        node = %owner.node_id,
+                        reason = %why,
+                        "verbs: cannot connect to this node; reading it over tcp"
+                    );
+                }
+                return Err(why);
+            }
+        };
+        let r = RemoteReader::connect(h, d, how.reader.clone()).map_err(|e| e.to_string())?;
+        Ok(Some(OwnerConn {
+            epoch: d.epoch,
+            reader: Reader::Verbs(r),
+        }))
+    }
+}
+
+/// Without the `verbs` feature: `auto` skips verbs, `verbs` is refused.
+#[cfg(not(feature = "verbs"))]
+pub(crate) mod verbs {
+    use super::{ConnectHow, OwnerConn, TransportChoice};
+    use pagewire_proto::v1::MapNode;
+
+    pub(crate) fn connect(
+        owner: &MapNode,
+        how: &ConnectHow<'_>,
+    ) -> Result<Option<OwnerConn>, String> {
+        if how.transport == TransportChoice::Verbs
+            && owner.transports.iter().any(|t| t.kind == "verbs")
+        {
+            return Err(
+                "this program was built without RDMA support (cargo feature `verbs` of pagewire-node)"
+                    .into(),
+            );
+        }
+        Ok(None)
+    }
 }

@@ -58,6 +58,16 @@ struct Args {
     /// Directory of the shm file the region lives in (transports.shm_dir).
     #[arg(long)]
     shm_dir: Option<std::path::PathBuf>,
+    /// Serve the region over RDMA verbs too (transports.verbs = true).
+    #[arg(long)]
+    verbs: bool,
+    /// RDMA device for verbs (transports.verbs_device; default: chosen by
+    /// the advertised address).
+    #[arg(long)]
+    verbs_device: Option<String>,
+    /// GID index for verbs (transports.verbs_gid_index; -1: chosen at start).
+    #[arg(long, allow_hyphen_values = true)]
+    verbs_gid_index: Option<i32>,
     /// Log filter.
     #[arg(long)]
     log: Option<String>,
@@ -108,6 +118,11 @@ where
     set!(capacity_bytes = args.capacity_bytes);
     set!(clock_drift_margin_ms = args.clock_drift_margin_ms);
     set!(transports.shm_dir = args.shm_dir);
+    if args.verbs {
+        cfg.transports.verbs = true;
+    }
+    set!(transports.verbs_device = args.verbs_device);
+    set!(transports.verbs_gid_index = args.verbs_gid_index);
     set!(log = args.log);
     if let Some(v) = args.token_file {
         cfg.token = String::new();

@@ -59,6 +59,25 @@ pub(crate) struct TransportsSection {
     /// How long a `tcp` serving thread spins for the next request before it
     /// blocks, in microseconds (0: block at once).
     pub(crate) tcp_spin_us: u64,
+    /// Serve the region over RDMA verbs (RC queue pairs; needs the `verbs`
+    /// cargo feature and an RDMA device).
+    pub(crate) verbs: bool,
+    /// RDMA device; empty: the one whose RoCE v2 GID's netdev carries the
+    /// advertised address.
+    pub(crate) verbs_device: String,
+    /// Port of the device, from 1.
+    pub(crate) verbs_port: u8,
+    /// GID index; -1: chosen at start (the RoCE v2 GID of the advertised
+    /// address, from sysfs).
+    pub(crate) verbs_gid_index: i32,
+    /// Where the verbs control socket (queue-pair exchange) listens; empty:
+    /// the host of `listen`, any port.
+    pub(crate) verbs_listen: String,
+    /// Address advertised for verbs; empty: the host of `advertise` (or of
+    /// `listen`) with the port `verbs_listen` bound.
+    pub(crate) verbs_advertise: String,
+    /// Reader processes served at once (one RC queue pair each), at most.
+    pub(crate) verbs_max_queue_pairs: usize,
 }
 
 impl Default for TransportsSection {
@@ -70,6 +89,13 @@ impl Default for TransportsSection {
             tcp_listen: String::new(),
             tcp_advertise: String::new(),
             tcp_spin_us: 50,
+            verbs: false,
+            verbs_device: String::new(),
+            verbs_port: 1,
+            verbs_gid_index: -1,
+            verbs_listen: String::new(),
+            verbs_advertise: String::new(),
+            verbs_max_queue_pairs: 1024,
         }
     }
 }
@@ -192,6 +218,30 @@ impl Config {
                 "shutdown_drain_timeout_ms",
                 "must be at most 3600000 (an hour)",
             ));
+        }
+        let t = &self.transports;
+        if t.verbs {
+            if !cfg!(feature = "verbs") {
+                return Err(invalid(
+                    "transports.verbs",
+                    "this pagewire-node was built without RDMA support (cargo feature `verbs` of pagewire-node)",
+                ));
+            }
+            if t.verbs_port == 0 {
+                return Err(invalid("transports.verbs_port", "ports count from 1"));
+            }
+            if !(-1..=255).contains(&t.verbs_gid_index) {
+                return Err(invalid(
+                    "transports.verbs_gid_index",
+                    "-1 (chosen at start) or a GID index 0..=255",
+                ));
+            }
+            if t.verbs_max_queue_pairs == 0 {
+                return Err(invalid(
+                    "transports.verbs_max_queue_pairs",
+                    "must be at least 1",
+                ));
+            }
         }
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid("tls", "cert_file and key_file go together"));

@@ -139,6 +139,22 @@ impl prometheus_client::collector::Collector for NodeCollector {
                 v.map.previous_owner.iter().filter(|&&p| p == v.me).count() as u64
             }),
         )?;
+        let (qps, refused) = n
+            .served
+            .as_ref()
+            .map_or((0, 0), |s| (s.verbs_queue_pairs(), s.verbs_refused()));
+        gauge(
+            &mut enc,
+            "verbs_queue_pairs",
+            "RC queue pairs served over verbs (one per connected reader process)",
+            qps,
+        )?;
+        counter(
+            &mut enc,
+            "verbs_refused",
+            "Reader processes refused because transports.verbs_max_queue_pairs were served",
+            refused,
+        )?;
         if let Some(src) = &n.one_sided {
             let r = src.reader_stats();
             let st = &src.stats;

@@ -12,6 +12,8 @@ mod agent;
 pub mod cli;
 pub(crate) mod config;
 mod error;
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+mod gid;
 mod lease;
 mod metrics;
 mod ownership;
@@ -242,6 +244,8 @@ impl Node {
             extents_owned: self.view().map_or(0, |v| v.owned()),
             stale_map_rejections: self.stale_rejections.load(Ordering::Relaxed),
             admissions_skipped: s.admissions_skipped,
+            verbs_queue_pairs: self.served.as_ref().map_or(0, |s| s.verbs_queue_pairs()),
+            verbs_refused: self.served.as_ref().map_or(0, |s| s.verbs_refused()),
             ..self.remote_stats()
         }
     }

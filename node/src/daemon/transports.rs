@@ -15,7 +15,20 @@
 //!   in place (`register_external`) and serves READs from it. Descriptor:
 //!   kind `tcp`, endpoint = host:port.
 //!
-//! With both off the region is anonymous private memory (transparent huge
+//! * `verbs` (default off; cargo feature `verbs`): an RDMA `VerbsOwner`
+//!   registers the same memory in place for remote READ only, on the
+//!   device, port and GID `gid` chooses (the RoCE v2 GID of the advertised
+//!   address unless the config names one). Before registering, the region
+//!   is prefaulted writable (`MADV_POPULATE_WRITE`, else an atomic
+//!   read-modify-write of a word per page): a read-only registration of
+//!   untouched anonymous memory would pin the shared zero page, and the
+//!   cache's later stores would land in fresh pages the NIC never reads.
+//!   RLIMIT_MEMLOCK is checked first (`pagewire_rdma::verbs::check_memlock`):
+//!   a too-low limit stops the start with the limit, the size and how to
+//!   raise it. Descriptor: kind `verbs`, endpoint = the control socket's
+//!   host:port, `opaque` = the 16 bytes of the owner's GID.
+//!
+//! With every transport off the region is anonymous private memory (transparent huge
 //! pages where the kernel gives them) and no descriptor is published:
 //! readers fall back to gRPC. Shared memory gets huge pages only where
 //! `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows them.
@@ -37,6 +50,8 @@ pub(crate) struct Served {
     shm: Option<(ShmOwner, RegionDescriptor, PathBuf)>,
     // Field order: the tcp registration goes before its responder.
     tcp: Option<(TcpRegion, TcpResponder, String)>,
+    #[cfg(feature = "verbs")]
+    verbs: Option<verbs::Served>,
 }
 
 /// A random non-zero epoch.
@@ -84,6 +99,14 @@ pub(crate) fn open(
     let cache_cfg = cfg.cache_config();
     let len =
         PageCache::<crate::index::Lockless>::region_len(cache_cfg.page_size, cache_cfg.frames);
+    // Everything verbs can refuse (memlock, device, GID, control socket)
+    // is checked before anything is created or served.
+    #[cfg(feature = "verbs")]
+    let verbs_owner = if t.verbs {
+        Some(verbs::preflight(cfg, len, epoch, token)?)
+    } else {
+        None
+    };
     let mut shm = None;
     let shared: Option<Box<dyn LocalRegion>> = if t.shm {
         let name = shm_name(node_id);
@@ -111,9 +134,7 @@ pub(crate) fn open(
         rc.spin = std::time::Duration::from_micros(t.tcp_spin_us);
         let responder = TcpResponder::bind(listen.as_str(), rc)
             .map_err(|e| cfg_err("transports.tcp_listen", format!("{listen}: {e}")))?;
-        let r = cache.region();
-        let ptr = std::ptr::NonNull::new(r.addr.cast_mut())
-            .ok_or_else(|| DaemonError::Internal("region at null".into()))?;
+        let (ptr, len) = region_of(&cache)?;
         let keep: pagewire_rdma::MemoryOwner = cache.clone();
         // SAFETY:
         // - `ptr..ptr + r.len` is the cache's region, mapped for as long as
@@ -123,22 +144,207 @@ pub(crate) fn open(
         //   kernel (`preadv`), or through the inline-assembly copy, and holds
         //   no `&mut` over it (see `raw::region`), so the responder's atomic
         //   loads race with no plain store.
-        let region = unsafe { responder.register_external(ptr, r.len, keep) }
+        let region = unsafe { responder.register_external(ptr, len, keep) }
             .map_err(|e| DaemonError::Internal(format!("tcp registration: {e}")))?;
-        let port = responder.local_addr().port();
-        let advertise = if !t.tcp_advertise.is_empty() {
-            t.tcp_advertise.clone()
-        } else {
-            let host = if cfg.advertise.is_empty() {
-                host_of(&cfg.listen)
-            } else {
-                host_of(&cfg.advertise)
-            };
-            format!("{host}:{port}")
-        };
+        let advertise = advertised(cfg, &t.tcp_advertise, responder.local_addr().port());
         tcp = Some((region, responder, advertise));
     }
-    Ok((cache, Served { epoch, shm, tcp }))
+    #[cfg(feature = "verbs")]
+    let verbs = match verbs_owner {
+        Some(owner) => Some(verbs::serve(cfg, &cache, owner)?),
+        None => None,
+    };
+    Ok((
+        cache,
+        Served {
+            epoch,
+            shm,
+            tcp,
+            #[cfg(feature = "verbs")]
+            verbs,
+        },
+    ))
+}
+
+/// The node's own memory for a registration that keeps the cache alive.
+fn region_of(cache: &Arc<PageCache>) -> Result<(std::ptr::NonNull<u8>, usize), DaemonError> {
+    let r = cache.region();
+    let ptr = std::ptr::NonNull::new(r.addr.cast_mut())
+        .ok_or_else(|| DaemonError::Internal("region at null".into()))?;
+    Ok((ptr, r.len))
+}
+
+/// The advertised `host:port` of a transport listening on `bound` port:
+/// `explicit` if set, else the host of `advertise` (or `listen`).
+fn advertised(cfg: &Config, explicit: &str, port: u16) -> String {
+    if !explicit.is_empty() {
+        return explicit.to_owned();
+    }
+    let host = if cfg.advertise.is_empty() {
+        host_of(&cfg.listen)
+    } else {
+        host_of(&cfg.advertise)
+    };
+    format!("{host}:{port}")
+}
+
+#[cfg(feature = "verbs")]
+mod verbs {
+    //! The region over RDMA verbs.
+
+    use std::net::{IpAddr, ToSocketAddrs};
+    use std::sync::Arc;
+
+    use pagewire_rdma::LocalRegion;
+    use pagewire_rdma::verbs::{VerbsConfig, VerbsOwner, VerbsRegion, check_memlock};
+
+    use super::super::gid;
+    use super::{Config, DaemonError, PageCache, advertised, cfg_err, host_of, region_of};
+
+    /// Field order: the registration goes before its owner.
+    pub(crate) struct Served {
+        pub(crate) region: VerbsRegion,
+        pub(crate) owner: VerbsOwner,
+        pub(crate) advertise: String,
+        pub(crate) gid: [u8; 16],
+    }
+
+    /// The IP readers reach this node at: the host of `advertise` (a name
+    /// is resolved).
+    fn advertised_ip(cfg: &Config) -> Result<IpAddr, DaemonError> {
+        let addr = if cfg.advertise.is_empty() {
+            &cfg.listen
+        } else {
+            &cfg.advertise
+        };
+        let host = host_of(addr);
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        if let Ok(ip) = bare.parse::<IpAddr>() {
+            return Ok(ip);
+        }
+        (bare, 0)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .map(|a| a.ip())
+            .ok_or_else(|| {
+                cfg_err(
+                    "transports.verbs",
+                    format!("cannot resolve the advertised host {bare:?} to pick a GID"),
+                )
+            })
+    }
+
+    /// Faults every page of `ptr..ptr + len` in, writable, without changing
+    /// a byte.
+    fn prefault(ptr: std::ptr::NonNull<u8>, len: usize) {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        // SAFETY: `ptr..ptr + len` is the cache's live mapping (the caller's
+        // registration keeps the cache alive); MADV_POPULATE_WRITE only
+        // populates page tables, it changes no byte.
+        let r = unsafe { libc::madvise(ptr.as_ptr().cast(), len, MADV_POPULATE_WRITE) };
+        if r == 0 {
+            return;
+        }
+        // Kernels before 5.14: an atomic add of 0 to one word per page is a
+        // write fault that leaves the contents as they are, and atomic, so
+        // it races with nothing (the region is written only atomically).
+        let page = 4096usize;
+        let mut off = 0;
+        while off < len {
+            // SAFETY: `off < len` and both the region and 4096 are
+            // multiples of 8, so this is an aligned word of the live
+            // mapping; only atomic accesses touch the region's words.
+            let w = unsafe { &*ptr.as_ptr().add(off).cast::<std::sync::atomic::AtomicU64>() };
+            w.fetch_add(0, std::sync::atomic::Ordering::Relaxed);
+            off += page;
+        }
+    }
+
+    /// The checks and the device, before the cache exists: the memlock
+    /// limit against the region's `len`, the GID, the control socket.
+    pub(crate) fn preflight(
+        cfg: &Config,
+        len: usize,
+        epoch: u64,
+        token: &str,
+    ) -> Result<(VerbsOwner, [u8; 16]), DaemonError> {
+        let t = &cfg.transports;
+        // First the limit: a refusal here costs nothing, and ibv_reg_mr's
+        // own would be a bare ENOMEM.
+        check_memlock(len as u64).map_err(|e| cfg_err("transports.verbs", e))?;
+        let ip = advertised_ip(cfg)?;
+        let device = (!t.verbs_device.is_empty()).then_some(t.verbs_device.as_str());
+        let index = u8::try_from(t.verbs_gid_index).ok();
+        let choice = gid::choose(
+            std::path::Path::new(gid::SYSFS_IB),
+            device,
+            t.verbs_port,
+            index,
+            ip,
+        )
+        .map_err(|e| cfg_err("transports.verbs", e))?;
+        tracing::info!(
+            device = %choice.device,
+            port = choice.port,
+            gid_index = choice.index,
+            gid = %choice.gid,
+            gid_type = %choice.kind,
+            netdev = %choice.netdev,
+            why = %choice.why,
+            "verbs: serving the region on this RDMA port and GID"
+        );
+        let mut vc = VerbsConfig::new(token.as_bytes().to_vec());
+        vc.device = Some(choice.device.clone());
+        vc.port = choice.port;
+        vc.gid_index = Some(choice.index);
+        vc.epoch = Some(epoch);
+        vc.max_queue_pairs = t.verbs_max_queue_pairs;
+        let listen = if t.verbs_listen.is_empty() {
+            format!("{}:0", host_of(&cfg.listen))
+        } else {
+            t.verbs_listen.clone()
+        };
+        let owner = VerbsOwner::bind(listen.as_str(), vc)
+            .map_err(|e| cfg_err("transports.verbs", format!("{listen}: {e}")))?;
+        Ok((owner, choice.gid.octets()))
+    }
+
+    /// Registers the cache's region with the owner `preflight` opened.
+    pub(crate) fn serve(
+        cfg: &Config,
+        cache: &Arc<PageCache>,
+        (owner, gid): (VerbsOwner, [u8; 16]),
+    ) -> Result<Served, DaemonError> {
+        let t = &cfg.transports;
+        let (ptr, len) = region_of(cache)?;
+        prefault(ptr, len);
+        let keep: pagewire_rdma::MemoryOwner = cache.clone();
+        // SAFETY:
+        // - `ptr..ptr + len` is the cache's region, mapped (never remapped)
+        //   for as long as the cache lives, and `keep` keeps the cache alive
+        //   as long as the registration;
+        // - the cache writes its region only with atomic stores, by the
+        //   kernel (`preadv`), or through the inline-assembly copy, and
+        //   holds no `&mut` over it (see `raw::region`): the NIC may read it
+        //   at any time.
+        let region = unsafe { owner.register_external(ptr, len, keep) }
+            .map_err(|e| cfg_err("transports.verbs", format!("registering {len} bytes: {e}")))?;
+        let advertise = advertised(cfg, &t.verbs_advertise, owner.local_addr().port());
+        tracing::info!(
+            endpoint = %advertise,
+            bytes = len,
+            rkey = region.descriptor().rkey,
+            max_queue_pairs = t.verbs_max_queue_pairs,
+            "verbs: region registered for remote READ"
+        );
+        Ok(Served {
+            region,
+            owner,
+            advertise,
+            gid,
+        })
+    }
 }
 
 /// The host part of host:port (brackets kept for IPv6).
@@ -176,7 +382,38 @@ impl Served {
                 opaque: Vec::new(),
             });
         }
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            let d = v.region.descriptor();
+            out.push(TransportDescriptor {
+                kind: "verbs".into(),
+                endpoint: v.advertise.clone(),
+                address: d.addr,
+                length: d.len,
+                rkey: u64::from(d.rkey),
+                epoch: d.epoch,
+                opaque: v.gid.to_vec(),
+            });
+        }
         out
+    }
+
+    /// Reader processes holding a verbs queue pair of this node now.
+    pub(crate) fn verbs_queue_pairs(&self) -> u64 {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            return v.owner.queue_pairs() as u64;
+        }
+        0
+    }
+
+    /// Reader processes refused at `transports.verbs_max_queue_pairs`.
+    pub(crate) fn verbs_refused(&self) -> u64 {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            return v.owner.refused();
+        }
+        0
     }
 }
 

@@ -793,6 +793,7 @@ fn stats_json(s: &NodeStats) -> Value {
         "remote_fallbacks": s.remote_fallbacks, "remote_round_trips": s.remote_round_trips,
         "remote_retries": s.remote_retries,
         "remote_validation_failures": s.remote_validation_failures,
+        "verbs_queue_pairs": s.verbs_queue_pairs, "verbs_refused": s.verbs_refused,
     })
 }
 

@@ -147,6 +147,7 @@ pub(crate) fn print(rows: &[Row], as_json: bool) {
                     s.remote_pages, s.remote_one_sided, s.remote_fallbacks
                 ),
                 s.remote_validation_failures.to_string(),
+                format!("{}/{}", s.verbs_queue_pairs, s.verbs_refused),
                 r.source.clone(),
             ]
         })
@@ -167,6 +168,7 @@ pub(crate) fn print(rows: &[Row], as_json: bool) {
                 "EXTENTS",
                 "REMOTE(ALL/1-SIDED/FALLBACK)",
                 "VALIDATION_FAILS",
+                "QPS/REFUSED",
                 "SOURCE"
             ],
             &t
