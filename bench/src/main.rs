@@ -19,6 +19,7 @@ mod remote;
 mod report;
 mod storm;
 mod transport;
+mod vmexec;
 mod workers;
 
 use clap::{Parser, Subcommand};
@@ -74,6 +75,13 @@ enum Cmd {
     /// The owner process of `remote` (started by it; not for direct use).
     #[command(hide = true)]
     RemoteOwner(remote::owner::OwnerArgs),
+    /// Runs programs it is sent, for `vm-exec` (the storm across VMs).
+    #[command(hide = true)]
+    VmAgent(vmexec::AgentArgs),
+    /// Runs a program on a `vm-agent` (killed with this process), or
+    /// signals one.
+    #[command(hide = true)]
+    VmExec(vmexec::ExecArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -91,6 +99,22 @@ fn main() -> std::process::ExitCode {
         return pagewire_coordinator::cli::main_from(
             std::iter::once("pagewire-coordinator".into()).chain(rest()),
         );
+    }
+    if sub.as_deref() == Some("vm-exec".as_ref()) {
+        // Its exit code is the remote program's.
+        use clap::FromArgMatches;
+        let m = <vmexec::ExecArgs as clap::Args>::augment_args(clap::Command::new("vm-exec"))
+            .get_matches_from(std::iter::once("vm-exec".into()).chain(rest()));
+        return match vmexec::ExecArgs::from_arg_matches(&m)
+            .map_err(anyhow::Error::from)
+            .and_then(|a| vmexec::exec(&a))
+        {
+            Ok(code) => std::process::ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            Err(e) => {
+                eprintln!("vm-exec: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
     }
     match bench() {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -120,5 +144,7 @@ fn bench() -> anyhow::Result<()> {
         Cmd::StormReader(a) => storm::reader::run(&a),
         Cmd::Genfile(a) => genfile::run(&a),
         Cmd::Readloop(a) => readloop::run(&a),
+        Cmd::VmAgent(a) => vmexec::agent(&a),
+        Cmd::VmExec(a) => vmexec::exec(&a).map(|_| ()),
     }
 }

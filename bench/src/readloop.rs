@@ -374,12 +374,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             .trim()
             .to_owned(),
     };
-    let transport = match a.transport.as_str() {
-        "auto" => TransportChoice::Auto,
-        "shm" => TransportChoice::Shm,
-        "tcp" => TransportChoice::Tcp,
-        t => anyhow::bail!("--transport {t:?}: one of tcp, shm, auto"),
-    };
+    let transport = a
+        .transport
+        .parse::<TransportChoice>()
+        .map_err(anyhow::Error::msg)?;
     let cfg = ClientConfig {
         transport,
         path: match a.path {

@@ -296,14 +296,13 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         a.readers = a.readers.min(2);
     }
     let mut faults = faults::schedule(&a)?;
-    if a.transport == "verbs" {
+    if a.transport == "verbs" && !cfg!(feature = "verbs") {
         bail!(
-            "--transport verbs: the node daemon does not serve its region over verbs yet \
-             (the rdma crate's verbs transport does; the daemon registers shm and tcp only), \
-             so the storm cannot read over it: use shm or tcp"
+            "--transport verbs: this pagewire-bench was built without RDMA support \
+             (cargo build --release -p pagewire-bench --features verbs)"
         );
     }
-    if !["shm", "tcp", "auto"].contains(&a.transport.as_str()) {
+    if !["shm", "tcp", "auto", "verbs"].contains(&a.transport.as_str()) {
         bail!(
             "--transport {:?}: one of shm, tcp, auto, verbs",
             a.transport
@@ -401,7 +400,8 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
                 token_file: tf.clone(),
                 frames_per_node: frames.max(64),
                 lease_ms: a.lease_ms,
-                shm: a.transport != "tcp",
+                shm: a.transport == "shm" || a.transport == "auto",
+                verbs: a.transport == "verbs",
             };
             eprintln!(
                 "storm: starting a coordinator and {} nodes ({} frames each, {:.0} % of the file in all)",
@@ -810,11 +810,7 @@ fn prober(
 ) -> anyhow::Result<()> {
     let follower = MapFollower::start(coordinator, token)?;
     let cfg = ClientConfig {
-        transport: match transport {
-            "shm" => TransportChoice::Shm,
-            "tcp" => TransportChoice::Tcp,
-            _ => TransportChoice::Auto,
-        },
+        transport: transport.parse().unwrap_or(TransportChoice::Auto),
         op_deadline: Duration::from_millis(250),
         ..ClientConfig::default()
     };

@@ -31,6 +31,12 @@ pub struct Host {
     /// Heals it (a `--heal` event).
     #[serde(default)]
     pub heal: Vec<String>,
+    /// Signals a program this host's `exec` prefix started: the storm
+    /// appends the signal's name (`STOP`, `CONT`) and runs it instead of
+    /// kill(2), which would reach only the local prefix process (`vm-exec`
+    /// on VM hosts). Empty: kill(2) on the child.
+    #[serde(default)]
+    pub signal: Vec<String>,
 }
 
 /// The hosts file (bench/scripts/storm-netns.sh writes one).
@@ -162,6 +168,8 @@ pub struct Proc {
     cmd_line: Vec<String>,
     log: PathBuf,
     paused: bool,
+    /// The host's `signal` prefix (see [`Host::signal`]).
+    remote_signal: Vec<String>,
 }
 
 impl Proc {
@@ -187,6 +195,7 @@ impl Proc {
             cmd_line,
             log,
             paused: false,
+            remote_signal: Vec::new(),
         })
     }
 
@@ -210,6 +219,27 @@ impl Proc {
         let Some(pid) = self.pid() else {
             bail!("{} is not running", self.name);
         };
+        if let Some((first, rest)) = self.remote_signal.split_first() {
+            let name = match sig {
+                libc::SIGSTOP => "STOP",
+                libc::SIGCONT => "CONT",
+                libc::SIGTERM => "TERM",
+                libc::SIGKILL => "KILL",
+                other => bail!(
+                    "signal {other}: the hosts file's signal command takes STOP, CONT, TERM, KILL"
+                ),
+            };
+            let st = Command::new(first)
+                .args(rest)
+                .arg(name)
+                .status()
+                .with_context(|| format!("running {:?}", self.remote_signal))?;
+            if !st.success() {
+                bail!("{:?} {name} for {}: {st}", self.remote_signal, self.name);
+            }
+            self.paused = sig == libc::SIGSTOP;
+            return Ok(());
+        }
         // SAFETY: kill(2) on our own child's pid, which we have not reaped.
         if unsafe { libc::kill(pid, sig) } != 0 {
             bail!(
@@ -260,6 +290,8 @@ pub struct ClusterSpec {
     pub lease_ms: u64,
     pub coordinator_port: u16,
     pub shm: bool,
+    /// Nodes serve their regions over verbs too.
+    pub verbs: bool,
 }
 
 /// The coordinator and the nodes.
@@ -308,9 +340,10 @@ impl ClusterSpec {
         std::fs::write(
             &config,
             format!(
-                "[transports]\nshm = {}\nshm_dir = {:?}\ntcp = true\n",
+                "[transports]\nshm = {}\nshm_dir = {:?}\ntcp = true\nverbs = {}\n",
                 self.shm,
-                self.dir.join("shm").display().to_string()
+                self.dir.join("shm").display().to_string(),
+                self.verbs
             ),
         )?;
         std::fs::create_dir_all(self.dir.join("shm"))?;
@@ -329,7 +362,9 @@ impl ClusterSpec {
             .arg(&self.token_file)
             .arg("--frames")
             .arg(self.frames_per_node.to_string());
-        Proc::spawn(&name, c, self.dir.join(format!("{name}.log")))
+        let mut p = Proc::spawn(&name, c, self.dir.join(format!("{name}.log")))?;
+        p.remote_signal.clone_from(&h.signal);
+        Ok(p)
     }
 }
 

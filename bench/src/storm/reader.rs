@@ -133,6 +133,13 @@ pub struct Final {
     /// Latency of each acknowledged write: `(ns, count)` pairs.
     pub write_hist: Vec<(u64, u64)>,
     pub one_sided: u64,
+    /// Of `one_sided`, over shm, verbs and tcp.
+    #[serde(default)]
+    pub one_sided_shm: u64,
+    #[serde(default)]
+    pub one_sided_verbs: u64,
+    #[serde(default)]
+    pub one_sided_tcp: u64,
     pub fallbacks: u64,
     pub retries: u64,
     pub validation_failures: u64,
@@ -346,12 +353,10 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
             let follower = MapFollower::start(&a.coordinator, &token)
                 .with_context(|| format!("following the map of {}", a.coordinator))?;
             let cfg = ClientConfig {
-                transport: match a.transport.as_str() {
-                    "auto" => TransportChoice::Auto,
-                    "shm" => TransportChoice::Shm,
-                    "tcp" => TransportChoice::Tcp,
-                    t => bail!("transport {t:?}: the reader speaks auto, shm or tcp"),
-                },
+                transport: a
+                    .transport
+                    .parse::<TransportChoice>()
+                    .map_err(anyhow::Error::msg)?,
                 path: if a.path == Path::Grpc {
                     ReadPath::Grpc
                 } else {
@@ -482,6 +487,9 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
     if let Io::Cluster(c) = &io {
         let s = c.stats();
         st.fin.one_sided = s.one_sided;
+        st.fin.one_sided_shm = s.one_sided_shm;
+        st.fin.one_sided_verbs = s.one_sided_verbs;
+        st.fin.one_sided_tcp = s.one_sided_tcp;
         st.fin.fallbacks = s.fault_ins;
         st.fin.retries = s.retries + s.reader.retries;
         st.fin.validation_failures = s.reader.validation_failures;

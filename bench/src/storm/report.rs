@@ -28,6 +28,10 @@ pub struct Row {
     pub validation_failures: u64,
     pub fallbacks: u64,
     pub one_sided: u64,
+    /// Of `one_sided`, the reads over shm, verbs and tcp.
+    pub one_sided_shm: u64,
+    pub one_sided_verbs: u64,
+    pub one_sided_tcp: u64,
     /// One-sided hits / (hits + FaultIn fallbacks): the owners' caches'
     /// hit ratio as the readers saw it.
     pub hit_ratio: Option<f64>,
@@ -84,6 +88,9 @@ pub fn sum(fs: &[Final]) -> Final {
         t.writes_dropped += f.writes_dropped;
         t.write_hist.extend_from_slice(&f.write_hist);
         t.one_sided += f.one_sided;
+        t.one_sided_shm += f.one_sided_shm;
+        t.one_sided_verbs += f.one_sided_verbs;
+        t.one_sided_tcp += f.one_sided_tcp;
         t.fallbacks += f.fallbacks;
         t.retries += f.retries;
         t.validation_failures += f.validation_failures;
@@ -152,6 +159,9 @@ pub fn build(
             validation_failures: t.validation_failures,
             fallbacks: t.fallbacks,
             one_sided: t.one_sided,
+            one_sided_shm: t.one_sided_shm,
+            one_sided_verbs: t.one_sided_verbs,
+            one_sided_tcp: t.one_sided_tcp,
             hit_ratio: (ph.path == super::reader::Path::OneSided && t.one_sided + t.fallbacks > 0)
                 .then(|| t.one_sided as f64 / (t.one_sided + t.fallbacks) as f64),
             writes: t.writes,
