@@ -1,6 +1,11 @@
 # pagewire's image: pagewire-coordinator, pagewire-node, pwctl and
 # pagewire-bench on Debian bookworm slim, run as the unprivileged user
-# pagewire (uid/gid 10001); no build tools in the final image.
+# pagewire (uid/gid 10001); no build tools in the final image. The node is
+# built with its RDMA verbs transport (cargo feature pagewire-node/verbs),
+# which loads libibverbs at run time: the image carries libibverbs1 and
+# ibverbs-providers (the rxe, mlx5 and other user-space drivers), nothing
+# else of rdma-core. Whether a node serves verbs is its config's choice
+# ([transports] verbs; the soft-roce and roce overlays turn it on).
 #
 #   docker build -t pagewire:dev .
 #
@@ -23,22 +28,36 @@ ARG BASE=debian:bookworm-slim
 
 FROM rust:1.95-slim-bookworm AS build
 # protoc and the well-known types: the coordinator's etcd store (etcd-client).
+# clang, libclang, cmake (with make, which the slim image lacks) and the
+# rdma-core headers: the verbs transport (sideway's bindgen and its
+# libibverbs loader, built from source).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev \
+      clang libclang-dev cmake make libibverbs-dev librdmacm-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 # The workspace's release profile; the copies are stripped (no debug info
-# or symbols in the image).
+# or symbols in the image). k8s/image/build.sh runs the same cargo command
+# and k8s/check_drift.py checks that both carry these features.
 RUN cargo build --release --locked \
       -p pagewire-node -p pagewire-coordinator -p pagewire-bench \
-      --features pagewire-coordinator/etcd \
+      --features pagewire-coordinator/etcd,pagewire-node/verbs \
  && mkdir /out \
  && cp target/release/pagewire-coordinator target/release/pagewire-node \
        target/release/pwctl target/release/pagewire-bench /out/ \
  && strip --strip-unneeded /out/*
 
 FROM ${BASE} AS runtime
+# libibverbs1 and ibverbs-providers, which pagewire-node loads (dlopen) when
+# its config says verbs = true; without them it finds "no RDMA device". The
+# offline base (k8s/image/base.sh) has them already (debootstrap --include),
+# so this installs only on a base that lacks them.
+RUN if ! dpkg -s libibverbs1 ibverbs-providers >/dev/null 2>&1; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers \
+      && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /usr/share/doc/* /usr/share/man/*; \
+    fi
 RUN groupadd --system --gid 10001 pagewire \
  && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/pagewire \
       --no-create-home --shell /usr/sbin/nologin pagewire \

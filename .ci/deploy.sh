@@ -7,7 +7,8 @@
 #    against the API schemas, checkov, and checked against the compose
 #    cluster (k8s/validate.sh);
 # 2. the image, built offline on a debootstrapped Debian base
-#    (k8s/image/build.sh);
+#    (k8s/image/build.sh), pagewire-node with its verbs transport, and the
+#    RDMA libraries in it;
 # 3. the five compose scenarios, every read verified
 #    (k8s/compose/scenarios.py), the cluster kept up after them;
 # 4. a real Prometheus scraping that cluster under a read load: every
@@ -21,10 +22,11 @@ project=pagewire-ci
 out=target/deploy-ci
 mkdir -p "$out"
 
-step "packages (debootstrap for the base image, python3-venv for the validators)"
+step "packages (debootstrap for the base image, python3-venv for the validators, the verbs feature's build tools)"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends debootstrap python3-venv iproute2 >/dev/null
+apt-get install -y -qq --no-install-recommends debootstrap python3-venv iproute2 \
+    clang libclang-dev cmake libibverbs-dev librdmacm-dev >/dev/null
 command -v docker >/dev/null || { echo "deploy ci: docker is missing" >&2; exit 1; }
 command -v docker-compose >/dev/null || apt-get install -y -qq docker-compose >/dev/null
 

@@ -10,16 +10,22 @@
 #
 #   k8s/image/base.sh [--force] [--tag pagewire-base:bookworm] [--mirror URL]
 #
-# pagewire's binaries need only glibc and libgcc_s (both in minbase; check
-# with `ldd`), so nothing is added: no shell tools beyond minbase's, no
-# ca-certificates (pagewire's TLS takes its CAs from files it is given).
-# Docs, man pages, locales and apt's caches and lists are removed.
+# pagewire's binaries link only glibc and libgcc_s (both in minbase; check
+# with `ldd`). The one addition: libibverbs1 and ibverbs-providers (with
+# their dependencies libnl-3-200, libnl-route-3-200, adduser), which the
+# node's verbs transport loads at run time; the Dockerfile's runtime stage
+# installs them only where the base lacks them, so they are included here
+# and the offline build needs no network. No shell tools beyond minbase's,
+# no ca-certificates (pagewire's TLS takes its CAs from files it is given).
+# Docs, man pages, locales and apt's caches and lists are removed. An
+# existing base without the RDMA libraries is built again.
 set -euo pipefail
 
 tag=pagewire-base:bookworm
 suite=bookworm
 mirror=
 force=0
+include=libibverbs1,ibverbs-providers
 while [ $# -gt 0 ]; do
   case $1 in
     --force) force=1 ;;
@@ -32,8 +38,11 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$force" = 0 ] && docker image inspect "$tag" >/dev/null 2>&1; then
-  echo "base.sh: $tag exists ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.1f MB", $1/1e6}')); --force builds it again"
-  exit 0
+  if docker run --rm --network none "$tag" dpkg -s ${include//,/ } >/dev/null 2>&1; then
+    echo "base.sh: $tag exists ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.1f MB", $1/1e6}')); --force builds it again"
+    exit 0
+  fi
+  echo "base.sh: $tag exists but lacks ${include//,/ }; building it again"
 fi
 
 # The mirror of this machine's apt configuration: the first URI of a source
@@ -75,8 +84,8 @@ work=$(mktemp -d /tmp/pagewire-base.XXXXXX)
 cleanup() { rm -rf "$work"; }
 trap cleanup EXIT
 root=$work/root
-echo "base.sh: debootstrap --variant=minbase $suite from $mirror"
-debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || {
+echo "base.sh: debootstrap --variant=minbase --include=$include $suite from $mirror"
+debootstrap --variant=minbase --include="$include" "$suite" "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || {
   tail -n 30 "$work/debootstrap.log" >&2
   echo "base.sh: debootstrap failed (log above)" >&2
   exit 1
@@ -95,6 +104,6 @@ tar --numeric-owner -C "$root" -c . | docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'CMD ["/bin/bash"]' \
-  --message "debootstrap --variant=minbase $suite" - "$tag" >/dev/null
+  --message "debootstrap --variant=minbase --include=$include $suite" - "$tag" >/dev/null
 size=$(docker image inspect -f '{{.Size}}' "$tag")
 echo "base.sh: built $tag: $(awk -v s="$size" 'BEGIN { printf "%.1f MB (%d bytes)", s/1e6, s }')"

@@ -4,7 +4,10 @@
 # 1. k8s/image/base.sh: the Debian bookworm base pagewire-base:bookworm
 #    (debootstrap; skipped when it exists).
 # 2. The binaries, built on this machine with the Dockerfile's command and
-#    features (or taken from --bin-dir, e.g. CI's release build).
+#    features (or taken from --bin-dir, e.g. CI's release build): the etcd
+#    store of the coordinator and the RDMA verbs transport of the node
+#    (pagewire-node/verbs; building it needs clang, libclang-dev, cmake,
+#    libibverbs-dev and librdmacm-dev, which .ci/run installs).
 # 3. The Dockerfile's runtime stage (its last stage, from `FROM ... AS
 #    runtime` to the end: one source for both builds), with its
 #    `COPY --from=build` line copying from a context folder of the
@@ -16,7 +19,10 @@
 # Without --bin-dir it runs `cargo build --release --locked ...` into
 # $CARGO_TARGET_DIR (default: the repository's target/), the workspace's
 # release profile, so CI's own release build is reused; the copies in the
-# image are stripped, as in the Dockerfile. Prints the image size.
+# image are stripped, as in the Dockerfile. Checks that every binary starts
+# in the image, that the node finds libibverbs and its providers there, and
+# that it has the verbs transport (it reaches its memlock check).
+# Prints the image size.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 tag=pagewire:dev
@@ -35,15 +41,24 @@ while [ $# -gt 0 ]; do
   shift
 done
 bins=(pagewire-coordinator pagewire-node pwctl pagewire-bench)
+# The Dockerfile's features (k8s/check_drift.py checks that they agree).
+features=pagewire-coordinator/etcd,pagewire-node/verbs
 
 "$repo/k8s/image/base.sh" --tag "$base" $force_base
 
 if [ -z "$bin_dir" ]; then
   target=${CARGO_TARGET_DIR:-$repo/target}
-  echo "build.sh: cargo build --release (etcd feature) into $target"
+  missing=
+  command -v clang >/dev/null || missing="$missing clang"
+  command -v cmake >/dev/null || missing="$missing cmake"
+  if [ -n "$missing" ]; then
+    echo "build.sh: building the verbs feature needs$missing (Debian: apt-get install clang libclang-dev cmake libibverbs-dev librdmacm-dev)" >&2
+    exit 1
+  fi
+  echo "build.sh: cargo build --release (features $features) into $target"
   (cd "$repo" && CARGO_TARGET_DIR=$target cargo build --release --locked \
       -p pagewire-node -p pagewire-coordinator -p pagewire-bench \
-      --features pagewire-coordinator/etcd)
+      --features "$features")
   bin_dir=$target/release
 fi
 for b in "${bins[@]}"; do
@@ -89,6 +104,35 @@ for b in "${bins[@]}"; do
   docker run --rm --network none "$tag" "$b" --version >/dev/null ||
     { echo "build.sh: $b does not run in $tag" >&2; exit 1; }
 done
+# What pagewire-node's verbs transport dlopens (libibverbs.so.1, and the
+# mlx5 direct library) and the user-space drivers libibverbs loads for rxe
+# (soft-RoCE) and mlx5 (ConnectX), by their /etc/libibverbs.d entries.
+docker run --rm --network none --entrypoint /bin/sh "$tag" -c '
+  set -e
+  for l in libibverbs.so.1 libmlx5.so.1; do
+    ldconfig -p | grep -q "^[[:space:]]*$l " || { echo "no $l"; exit 1; }
+  done
+  for d in rxe mlx5; do
+    [ -f /etc/libibverbs.d/$d.driver ] || { echo "no $d provider"; exit 1; }
+  done' ||
+  { echo "build.sh: $tag lacks libibverbs1 or ibverbs-providers (the node could not serve verbs)" >&2; exit 1; }
+# The node in the image has the verbs transport: with verbs = true and a
+# memlock limit (64 KiB) below its region (16 MiB) it refuses to start,
+# naming RLIMIT_MEMLOCK, after its config passed; a node built without the
+# feature refuses the config itself ("built without RDMA support").
+out=$(docker run --rm --network none --ulimit memlock=65536:65536 --entrypoint /bin/sh "$tag" -c '
+  cd /tmp
+  pagewire-bench genfile --path /tmp/data --mib 1 >/dev/null
+  echo build-sh-smoke-token-0123456789abcdef > /tmp/token
+  printf "%s\n" "backing_file = \"/tmp/data\"" "listen = \"127.0.0.1:7500\"" "metrics_listen = \"\"" \
+    "coordinator = \"127.0.0.1:7400\"" "token_file = \"/tmp/token\"" "[cache]" "frames = 4096" \
+    "[transports]" "shm = true" "shm_dir = \"/tmp\"" "tcp = false" "verbs = true" > /tmp/node.toml
+  timeout 20 pagewire-node --config /tmp/node.toml --node-id build-sh-smoke' 2>&1 || true)
+if ! grep -qF '(RLIMIT_MEMLOCK)' <<<"$out"; then
+  printf '%s\n' "$out" >&2
+  echo "build.sh: pagewire-node in $tag did not reach its verbs memlock check (output above): not built with --features pagewire-node/verbs?" >&2
+  exit 1
+fi
 size=$(docker image inspect -f '{{.Size}}' "$tag")
 bsize=$(docker image inspect -f '{{.Size}}' "$base")
 echo "build.sh: built $tag on $base: $(awk -v s="$size" -v b="$bsize" 'BEGIN { printf "%.1f MB (base %.1f MB, pagewire %.1f MB)", s/1e6, b/1e6, (s-b)/1e6 }')"
