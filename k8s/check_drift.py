@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when the Kubernetes manifests drift from what the compose test runs.
+"""Fails when the Kubernetes manifests drift from what the compose test runs,
+or the RDMA overlays from the tcp one, or the image from the verbs transport.
 
 Compares k8s/compose/docker-compose.yml (the cluster the compose scenarios
 test) with the rendered tcp overlay (`kubectl kustomize k8s/overlays/tcp`),
@@ -26,11 +27,24 @@ and checks, each printed as OK or FAIL:
     the preStop drain wait in k8s);
   * the default image, the user id, the coordinator's address;
   * the NetworkPolicies' ports and that they select and admit the pods,
-    and the Prometheus scrape annotations.
+    and the Prometheus scrape annotations;
+  * verbs: the tcp rendering's node.toml (the compose cluster's) has
+    [transports] verbs off and the node no verbs port; the soft-roce and roce
+    renderings mount k8s/components/verbs/node.toml, which is the base's
+    node.toml but for the verbs_* keys, with verbs = true and the GID chosen
+    at start (verbs_gid_index = -1, verbs_device empty), its verbs_listen
+    port in the node container and the NetworkPolicy, the node container
+    otherwise the tcp one's, no IPC_LOCK; roce's gid-check reads that same
+    node.toml and pins nothing of its own;
+  * the image: the Dockerfile and k8s/image/build.sh build with the same
+    cargo features, pagewire-node/verbs among them, and the runtime image
+    gets libibverbs1 and ibverbs-providers (the Dockerfile's runtime stage
+    and k8s/image/base.sh's debootstrap --include).
 
-Usage: check_drift.py [--rendered FILE] [--compose FILE]
-Without --rendered it renders the tcp overlay itself (kubectl, with a
-throwaway token in a temporary copy of k8s/). Needs PyYAML.
+Usage: check_drift.py [--rendered FILE] [--overlay NAME=FILE ...] [--compose FILE]
+Without --rendered (the tcp overlay) or --overlay soft-roce=FILE,
+roce=FILE it renders them itself (kubectl, with a throwaway token in a
+temporary copy of k8s/). Needs PyYAML.
 """
 
 from __future__ import annotations
@@ -73,22 +87,29 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 # --- inputs -----------------------------------------------------------------
 
 
-def render_tcp() -> list[dict]:
+RDMA_OVERLAYS = ("soft-roce", "roce")
+
+
+def render(overlay: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if not kubectl:
-        sys.exit("check_drift: kubectl not found (needed to render k8s/overlays/tcp)")
+        sys.exit(f"check_drift: kubectl not found (needed to render k8s/overlays/{overlay})")
     with tempfile.TemporaryDirectory(prefix="pagewire-drift-") as tmp:
         t = Path(tmp)
-        shutil.copytree(K8S / "base", t / "base")
-        shutil.copytree(K8S / "overlays", t / "overlays")
+        for d in ("base", "overlays", "components"):
+            shutil.copytree(K8S / d, t / d)
         (t / "base" / "cluster-token").write_text(os.urandom(16).hex())
         out = subprocess.run(
-            [kubectl, "kustomize", str(t / "overlays" / "tcp")],
+            [kubectl, "kustomize", str(t / "overlays" / overlay)],
             check=True,
             capture_output=True,
             text=True,
         ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+def load_rendered(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -231,11 +252,11 @@ def compose_env(svc: dict) -> dict[str, str]:
 # --- k8s ----------------------------------------------------------------------
 
 
-def find(objs, kind, name) -> dict:
+def find(objs, kind, name, overlay="tcp") -> dict:
     for o in objs:
         if o.get("kind") == kind and o["metadata"]["name"] == name:
             return o
-    sys.exit(f"check_drift: no {kind} {name} in the rendered tcp overlay")
+    sys.exit(f"check_drift: no {kind} {name} in the rendered {overlay} overlay")
 
 
 def container(obj, name) -> dict:
@@ -279,12 +300,229 @@ def prestop_wait(c) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+# --- verbs: the RDMA overlays against the tcp one, and the image ------------------
+
+VERBS_CONFIG = K8S / "components" / "verbs" / "node.toml"
+VERBS_PACKAGES = ("libibverbs1", "ibverbs-providers")
+VERBS_FEATURE = "pagewire-node/verbs"
+
+
+def config_map(objs) -> dict | None:
+    cms = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("pagewire-config")]
+    return cms[0] if len(cms) == 1 else None
+
+
+def without_verbs(toml: dict) -> dict:
+    """The node config but for [transports] verbs_* and verbs."""
+    out = dict(toml)
+    out["transports"] = {
+        k: v for k, v in toml.get("transports", {}).items() if k != "verbs" and not k.startswith("verbs_")
+    }
+    return out
+
+
+def policy_ports(objs, name, overlay) -> set[tuple[int, str]]:
+    o = find(objs, "NetworkPolicy", name, overlay)
+    return {(p["port"], p.get("protocol", "TCP")) for r in o["spec"].get("ingress", []) for p in r.get("ports", [])}
+
+
+def check_verbs(tcp_objs, rdma: dict[str, list[dict]], base_toml: dict, node_ports: dict) -> None:
+    print("verbs (tcp overlay and compose: off; soft-roce and roce: on, GID chosen at start):")
+    t = base_toml.get("transports", {})
+    check(
+        "k8s/base/config/node.toml (tcp overlay, compose) has [transports] verbs off",
+        t.get("verbs", False) is False,
+        f"verbs = {t.get('verbs')!r}",
+    )
+    tcp_ds = find(tcp_objs, "DaemonSet", "pagewire-node")
+    tcp_node = container(tcp_ds, "node")
+    tcp_cm = config_map(tcp_objs)
+    tcp_rendered = tomllib.loads(tcp_cm["data"]["node.toml"]) if tcp_cm else {}
+    check(
+        "the tcp rendering's node.toml has verbs off",
+        tcp_cm is not None and tcp_rendered.get("transports", {}).get("verbs", False) is False,
+    )
+    check(
+        "the tcp node container has no verbs port",
+        all(p.get("name") != "verbs" for p in tcp_node.get("ports", [])),
+    )
+    if not VERBS_CONFIG.exists():
+        check(f"{VERBS_CONFIG.relative_to(REPO)} exists", False)
+        return
+    verbs_text = VERBS_CONFIG.read_text()
+    verbs_toml = tomllib.loads(verbs_text)
+    vt = verbs_toml.get("transports", {})
+    rel = VERBS_CONFIG.relative_to(REPO)
+    check(
+        f"{rel} is k8s/base/config/node.toml but for [transports] verbs*",
+        without_verbs(verbs_toml) == without_verbs(base_toml),
+        "differs beyond verbs_* (copy the base's change over)",
+    )
+    check(f"{rel}: verbs = true", vt.get("verbs") is True, f"verbs = {vt.get('verbs')!r}")
+    check(
+        f"{rel}: GID chosen at start (verbs_gid_index = -1, verbs_device empty)",
+        vt.get("verbs_gid_index", -1) == -1 and vt.get("verbs_device", "") == "",
+        f"verbs_gid_index = {vt.get('verbs_gid_index')!r}, verbs_device = {vt.get('verbs_device')!r}",
+    )
+    listen = vt.get("verbs_listen", "")
+    verbs_port = port_of(listen) if re.search(r":\d+$", listen) else 0
+    check(
+        f"{rel}: verbs_listen has a fixed port (NetworkPolicy, hostNetwork)",
+        verbs_port > 0,
+        f"verbs_listen = {listen!r}",
+    )
+    check(
+        f"{rel}: verbs port {verbs_port} is none of the other ports {sorted(node_ports.values())}",
+        verbs_port not in node_ports.values(),
+    )
+
+    tcp_policy = policy_ports(tcp_objs, "pagewire-internal", "tcp")
+    for name in RDMA_OVERLAYS:
+        objs = rdma[name]
+        print(f"  {name}:")
+        cm = config_map(objs)
+        check(f"{name}: one ConfigMap pagewire-config", cm is not None)
+        if cm is None:
+            continue
+        data = cm.get("data", {})
+        check(f"{name}: its node.toml is {rel} byte for byte", data.get("node.toml") == verbs_text)
+        check(
+            f"{name}: its coordinator.toml is the base's byte for byte",
+            data.get("coordinator.toml") == (K8S / "base" / "config" / "coordinator.toml").read_text(),
+        )
+        rendered = tomllib.loads(data.get("node.toml", ""))
+        rt = rendered.get("transports", {})
+        check(
+            f"{name}: rendered node.toml has verbs = true, verbs_gid_index = -1, verbs_device empty",
+            rt.get("verbs") is True and rt.get("verbs_gid_index", -1) == -1 and rt.get("verbs_device", "") == "",
+            f"verbs = {rt.get('verbs')!r}, verbs_gid_index = {rt.get('verbs_gid_index')!r}, verbs_device = {rt.get('verbs_device')!r}",
+        )
+        ds = find(objs, "DaemonSet", "pagewire-node", name)
+        node = container(ds, "node")
+        mounts = k8s_mounts(ds, node)
+        m = mounts.get("/etc/pagewire/node.toml", {})
+        check(
+            f"{name}: the node mounts that ConfigMap's node.toml at /etc/pagewire/node.toml",
+            m.get("kind") == "configMap"
+            and m.get("subPath") == "node.toml"
+            and m["volume"]["configMap"]["name"] == cm["metadata"]["name"],
+        )
+        vp = {p["containerPort"]: p for p in node.get("ports", []) if p.get("name") == "verbs"}
+        check(
+            f"{name}: node container port verbs = {verbs_port}/TCP",
+            list(vp) == [verbs_port] and vp[verbs_port].get("protocol", "TCP") == "TCP",
+            f"k8s {sorted(vp)}",
+        )
+        others = [p for p in node.get("ports", []) if p.get("name") != "verbs"]
+        check(f"{name}: the other node ports are the tcp overlay's", others == tcp_node.get("ports", []))
+        for field in ("command", "args", "env", "readinessProbe", "livenessProbe", "lifecycle", "image"):
+            check(
+                f"{name}: node {field} is the tcp overlay's",
+                node.get(field) == tcp_node.get(field),
+                f"{node.get(field)!r} vs {tcp_node.get(field)!r}",
+            )
+        sc = node.get("securityContext", {})
+        added = (sc.get("capabilities") or {}).get("add") or []
+        check(
+            f"{name}: node runs as uid 10001 with no added capability (IPC_LOCK would not reach a non-root process)",
+            sc.get("runAsUser") == 10001 and sc.get("runAsNonRoot") is True and not added,
+            f"runAsUser {sc.get('runAsUser')}, add {added}",
+        )
+        pol = policy_ports(objs, "pagewire-internal", name)
+        want = tcp_policy | {(verbs_port, "TCP"), (4791, "UDP")}
+        check(
+            f"{name}: NetworkPolicy pagewire-internal opens the tcp ones plus {verbs_port}/TCP and 4791/UDP (RoCE v2)",
+            pol == want,
+            f"{sorted(pol)}",
+        )
+        if name == "roce":
+            inits = {c["name"]: c for c in ds["spec"]["template"]["spec"].get("initContainers", [])}
+            gc = inits.get("gid-check")
+            check("roce: init container gid-check", gc is not None)
+            if gc is None:
+                continue
+            gm = k8s_mounts(ds, gc).get("/etc/pagewire/node.toml", {})
+            check(
+                "roce: gid-check reads the node's node.toml (same ConfigMap key, same path)",
+                gm.get("kind") == "configMap"
+                and gm.get("subPath") == "node.toml"
+                and gm["volume"]["configMap"]["name"] == cm["metadata"]["name"],
+            )
+            genv = {e["name"]: e for e in gc.get("env", [])}
+            check(
+                "roce: gid-check pins no device, port or GID of its own (node.toml is the one source)",
+                not {"RDMA_DEVICE", "RDMA_PORT", "GID_INDEX"} & set(genv),
+                f"env {sorted(genv)}",
+            )
+            check(
+                "roce: gid-check's POD_IP is status.podIP (what an empty advertise makes the node advertise)",
+                genv.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP",
+            )
+            check("roce: gid-check runs the node's image", gc.get("image") == node.get("image"))
+
+
+def shell_text(path: Path) -> str:
+    """A Dockerfile or shell script with its line continuations joined."""
+    return re.sub(r"\\\n", " ", path.read_text())
+
+
+def cargo_features(text: str) -> set[str] | None:
+    m = re.search(r"cargo build[^\n]*?--features[ =]\"?([^\s\"]+)\"?", text)
+    if not m:
+        return None
+    return {f for f in m.group(1).split(",") if f}
+
+
+def check_image() -> None:
+    print("image (the verbs transport built in, libibverbs in the runtime image):")
+    df = REPO / "Dockerfile"
+    build = K8S / "image" / "build.sh"
+    base = K8S / "image" / "base.sh"
+    dft = shell_text(df)
+    stages = re.split(r"(?im)^FROM\s", dft)
+    build_stage = next((st for st in stages if re.match(r"\S+\s+AS\s+build\b", st, re.I)), "")
+    runtime_stage = next((st for st in stages if re.match(r"\S+\s+AS\s+runtime\b", st, re.I)), "")
+    dff = cargo_features(build_stage)
+    check(
+        f"the Dockerfile's cargo build has --features {VERBS_FEATURE}",
+        dff is not None and VERBS_FEATURE in dff,
+        f"features {sorted(dff) if dff is not None else 'none'}",
+    )
+    bt = shell_text(build)
+    m = re.search(r"(?m)^features=(\S+)", bt)
+    bf = {f for f in m.group(1).split(",") if f} if m else None
+    check(
+        "k8s/image/build.sh builds with the Dockerfile's features",
+        bf is not None and bf == dff and re.search(r'cargo build[^\n]*--features "\$features"', bt) is not None,
+        f"build.sh {sorted(bf) if bf else bf} vs Dockerfile {sorted(dff) if dff else dff}",
+    )
+    runtime_apt = re.search(r"apt-get install[^\n]*", runtime_stage)
+    check(
+        f"the Dockerfile's runtime stage installs {' and '.join(VERBS_PACKAGES)}",
+        runtime_apt is not None and all(re.search(rf"\b{re.escape(p)}\b", runtime_apt.group(0)) for p in VERBS_PACKAGES),
+    )
+    m = re.search(r"(?m)^include=(\S+)", base.read_text())
+    inc = set(m.group(1).split(",")) if m else set()
+    check(
+        f"k8s/image/base.sh debootstraps with --include {','.join(VERBS_PACKAGES)}",
+        set(VERBS_PACKAGES) <= inc and '--include="$include"' in base.read_text(),
+        f"include {sorted(inc)}",
+    )
+
+
 # --- the checks -----------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rendered", type=Path, help="the rendered tcp overlay (YAML)")
+    ap.add_argument(
+        "--overlay",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help=f"a rendered RDMA overlay ({', '.join(RDMA_OVERLAYS)}); the missing ones are rendered",
+    )
     ap.add_argument("--compose", type=Path, default=K8S / "compose" / "docker-compose.yml")
     a = ap.parse_args()
 
@@ -295,11 +533,16 @@ def main() -> int:
     for s in (COORD_SVC, *NODE_SVCS, TOOLS_SVC):
         if s not in services:
             sys.exit(f"check_drift: compose has no service {s}")
-    objs = (
-        [d for d in yaml.safe_load_all(a.rendered.read_text()) if d]
-        if a.rendered
-        else render_tcp()
-    )
+    objs = load_rendered(a.rendered) if a.rendered else render("tcp")
+    rdma: dict[str, list[dict]] = {}
+    for spec in a.overlay:
+        name, sep, path = spec.partition("=")
+        if not sep or name not in RDMA_OVERLAYS:
+            sys.exit(f"check_drift: --overlay {spec!r}: want NAME=FILE, NAME one of {', '.join(RDMA_OVERLAYS)}")
+        rdma[name] = load_rendered(Path(path))
+    for name in RDMA_OVERLAYS:
+        if name not in rdma:
+            rdma[name] = render(name)
     image = dockerfile_runtime()
     cfg_dir = K8S / "base" / "config"
     tomls = {
@@ -522,6 +765,9 @@ def main() -> int:
             and ann.get("prometheus.io/port") == str(toml_ports[role]["http"])
             and ann.get("prometheus.io/path") == "/metrics",
         )
+
+    check_verbs(objs, rdma, tomls["node"], toml_ports["node"])
+    check_image()
 
     print(f"check_drift: {passes} passed, {len(failures)} failed")
     return 1 if failures else 0

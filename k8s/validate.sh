@@ -13,8 +13,10 @@
 #    the checks it skips, each with its reason, are listed in
 #    k8s/validate_helper.py (SKIP_ALL, SKIP_ONE) and printed below;
 # 4. runs the overlays' init scripts (gid-check.sh, rxe-setup.sh) against a
-#    fake sysfs and a fake `rdma`;
-# 5. runs k8s/check_drift.py: the tcp rendering against the compose cluster.
+#    fake sysfs, fake node.toml files and a fake `rdma`;
+# 5. runs k8s/check_drift.py: the tcp rendering against the compose cluster,
+#    the soft-roce and roce renderings against the tcp one (verbs on there,
+#    off in tcp) and the image build against the verbs feature.
 # The renderings are left in target/k8s-validate/.
 set -euo pipefail
 
@@ -62,7 +64,7 @@ if unshare -n true 2>/dev/null; then nonet=(unshare -n); fi
 # --- 1. render -----------------------------------------------------------------
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-cp -r "$here/base" "$here/overlays" "$work/"
+cp -r "$here/base" "$here/overlays" "$here/components" "$work/"
 rm -f "$work/base/cluster-token"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/base/cluster-token"
 # The hugepages component is off in the roce overlay; render it too.
@@ -126,7 +128,7 @@ done
 "$py" "$here/validate_helper.py" checkov "${reports[@]}" || die "checkov found problems (above)"
 
 # --- 4. init scripts -----------------------------------------------------------
-say "overlay init scripts (/bin/sh, fake sysfs and rdma)"
+say "overlay init scripts (/bin/sh, fake sysfs, node.toml and rdma)"
 t="$work/scripts"
 ib="$t/ib/mlx5_0/ports/1"
 mkdir -p "$ib/gids" "$ib/gid_attrs/types" "$ib/gid_attrs/ndevs" "$t/empty" "$t/bin"
@@ -138,6 +140,25 @@ gid 2 0000:0000:0000:0000:0000:ffff:0a00:0105 "IB/RoCE v1"
 gid 3 0000:0000:0000:0000:0000:ffff:0a00:0105 "RoCE v2"
 gid 4 0000:0000:0000:0000:0000:0000:0000:0000 ""
 gid 10 0000:0000:0000:0000:0000:ffff:c0a8:0a0b "RoCE v2"
+# A second device with no RoCE v2 GID of those addresses.
+ib2="$t/ib/rxe0/ports/1"
+mkdir -p "$ib2/gids" "$ib2/gid_attrs/types" "$ib2/gid_attrs/ndevs"
+echo 0000:0000:0000:0000:0000:ffff:ac10:0001 > "$ib2/gids/1"; echo "RoCE v2" > "$ib2/gid_attrs/types/1"; echo eth0 > "$ib2/gid_attrs/ndevs/1"
+# node.toml files: the soft-roce/roce one (verbs on, GID auto), the base's
+# (verbs off), and variants with keys changed.
+verbs_toml="$here/components/verbs/node.toml"
+conf() { # conf NAME SED-EXPRESSION: a copy of the verbs node.toml, edited
+    sed "$2" "$verbs_toml" > "$t/$1.toml"
+}
+conf auto 's/^x//'
+conf pin10 's/^verbs_device = ""/verbs_device = "mlx5_0"/; s/^verbs_gid_index = -1/verbs_gid_index = 10/'
+conf pin2 's/^verbs_device = ""/verbs_device = "mlx5_0"/; s/^verbs_gid_index = -1/verbs_gid_index = 2/'
+conf pin4 's/^verbs_device = ""/verbs_device = "mlx5_0"/; s/^verbs_gid_index = -1/verbs_gid_index = 4/'
+conf pin3nodev 's/^verbs_gid_index = -1/verbs_gid_index = 3/'
+conf port2 's/^verbs_port = 1/verbs_port = 2/'
+conf nodev 's/^verbs_device = ""/verbs_device = "mlx5_9"/'
+conf adv 's/^advertise = ""/advertise = "192.168.10.11:7500"/'
+conf onrxe 's/^verbs_device = ""/verbs_device = "rxe0"/'
 ntest=0
 expect() { # expect RC WANT_IN_OUTPUT -- command...
     local rc="$1" want="$2"; shift 3
@@ -150,15 +171,27 @@ expect() { # expect RC WANT_IN_OUTPUT -- command...
     fi
 }
 gc="$here/overlays/roce/gid-check.sh"
-expect 0 "using GID index 3 (eth1, 10.0.1.5)" -- env IB_SYSFS="$t/ib" GID_INDEX=auto POD_IP=10.0.1.5 sh "$gc"
-expect 0 "using GID index 10 (eth1, 192.168.10.11)" -- env IB_SYSFS="$t/ib" GID_INDEX=10 sh "$gc"
-expect 0 "is not this GID's 10.0.1.5" -- env IB_SYSFS="$t/ib" GID_INDEX=3 POD_IP=10.0.9.9 sh "$gc"
-expect 1 "not RoCE v2" -- env IB_SYSFS="$t/ib" GID_INDEX=2 sh "$gc"
-expect 1 "GID index 4 is empty" -- env IB_SYSFS="$t/ib" GID_INDEX=4 sh "$gc"
-expect 1 "no port 2" -- env IB_SYSFS="$t/ib" RDMA_PORT=2 sh "$gc"
-expect 1 "no RDMA device visible" -- env IB_SYSFS="$t/empty" sh "$gc"
+g() { env -u POD_IP -u PAGEWIRE_ADVERTISE IB_SYSFS="$t/ib" PAGEWIRE_NODE_CONFIG="$t/$1.toml" "${@:2}" sh "$gc"; }
+expect 0 "will use mlx5_0 port 1 GID index 3 (eth1, 10.0.1.5)" -- g auto POD_IP=10.0.1.5
+expect 0 "will use mlx5_0 port 1 GID index 10 (eth1, 192.168.10.11)" -- g auto POD_IP=192.168.10.11
+expect 0 "will use rxe0 port 1 GID index 1 (eth0, 172.16.0.1)" -- g auto POD_IP=172.16.0.1
+expect 1 "no RoCE v2 GID holds the advertised address 10.0.9.9" -- g auto POD_IP=10.0.9.9
+expect 1 "no RoCE v2 GID holds the advertised address 10.0.1.5" -- g onrxe POD_IP=10.0.1.5
+expect 1 "advertised address is unknown" -- g auto
+expect 0 "GID index 10 (eth1, 192.168.10.11)" -- g adv POD_IP=10.0.1.5
+expect 0 "GID index 3 (eth1, 10.0.1.5)" -- g adv PAGEWIRE_ADVERTISE=10.0.1.5:7500 POD_IP=10.0.9.9
+expect 0 "not an IPv4 literal" -- g auto PAGEWIRE_ADVERTISE=node-1.example:7500
+expect 0 "holds 192.168.10.11, not the advertised address 10.0.1.5" -- g pin10 POD_IP=10.0.1.5
+expect 0 "is 'IB/RoCE v1', not RoCE v2" -- g pin2 POD_IP=10.0.1.5
+expect 1 "GID index 4 does not exist on mlx5_0 port 1" -- g pin4 POD_IP=10.0.1.5
+expect 1 "needs transports.verbs_device" -- g pin3nodev POD_IP=10.0.1.5
+expect 1 "no RDMA device named 'mlx5_9'" -- g nodev POD_IP=10.0.1.5
+expect 1 "10.0.1.5 (the pod's IP) on any device port 2" -- g port2 POD_IP=10.0.1.5
+expect 0 "verbs is off" -- env IB_SYSFS="$t/ib" PAGEWIRE_NODE_CONFIG="$here/base/config/node.toml" sh "$gc"
+expect 1 "no RDMA device visible" -- env IB_SYSFS="$t/empty" PAGEWIRE_NODE_CONFIG="$t/auto.toml" POD_IP=10.0.1.5 sh "$gc"
+expect 1 "cannot read the node config" -- env IB_SYSFS="$t/ib" PAGEWIRE_NODE_CONFIG="$t/none.toml" sh "$gc"
 rm "$ib/gids/3" "$ib/gids/10"
-expect 1 "no RoCE v2 GID with an IPv4 address" -- env IB_SYSFS="$t/ib" sh "$gc"
+expect 1 "no RoCE v2 GID holds the advertised address 10.0.1.5" -- g auto POD_IP=10.0.1.5
 # A fake `rdma`: `link show` prints $FAKE_LINKS, `link add` logs its arguments.
 cat > "$t/bin/rdma" <<'EOF'
 #!/bin/sh
@@ -187,14 +220,17 @@ expect 1 "no 'rdma' tool" -- env PATH="$t/empty" /bin/sh "$rx"
 printf '  %d script tests passed (gid-check.sh, rxe-setup.sh)\n' "$ntest"
 
 # --- 5. drift ------------------------------------------------------------------
-say "drift: k8s/overlays/tcp against k8s/compose/docker-compose.yml (k8s/check_drift.py)"
+say "drift: k8s/overlays/tcp against k8s/compose/docker-compose.yml, soft-roce and roce against tcp, the image (k8s/check_drift.py)"
 [ -f "$here/compose/docker-compose.yml" ] || die "k8s/compose/docker-compose.yml is missing"
-# Render tcp again, unredacted: check_drift compares the ConfigMaps' bytes only,
-# but use the real rendering rather than the rewritten one.
-"$kubectl" kustomize "$work/overlays/tcp" > "$work/tcp.yaml"
-"$py" "$here/check_drift.py" --rendered "$work/tcp.yaml" > "$out/drift.log" 2>&1 \
-    || { cat "$out/drift.log"; die "the manifests drifted from the compose cluster (above)"; }
+# Render again, unredacted: check_drift compares the ConfigMaps' bytes only,
+# but use the real renderings rather than the rewritten ones.
+for v in tcp soft-roce roce; do
+    "$kubectl" kustomize "$work/overlays/$v" > "$work/$v.yaml"
+done
+"$py" "$here/check_drift.py" --rendered "$work/tcp.yaml" \
+    --overlay soft-roce="$work/soft-roce.yaml" --overlay roce="$work/roce.yaml" > "$out/drift.log" 2>&1 \
+    || { cat "$out/drift.log"; die "the manifests drifted (above)"; }
 grep -E '^\S|FAIL' "$out/drift.log" | sed 's/^/  /'
 
-say "covered: ${#variants[@]} renderings (${variants[*]}), schemas of Kubernetes $K8S_VERSION, checkov, $ntest script tests, compose drift; $((SECONDS - installed)) s (+$((installed - start)) s install)"
+say "covered: ${#variants[@]} renderings (${variants[*]}), schemas of Kubernetes $K8S_VERSION, checkov, $ntest script tests, drift (compose, RDMA overlays, image); $((SECONDS - installed)) s (+$((installed - start)) s install)"
 echo "validate.sh: ok"

@@ -45,11 +45,6 @@ SKIP_ONE = {
     "and so drops no capabilities; the node container drops ALL",
     ("soft-roce", "CKV_K8S_28", "DaemonSet.pagewire.pagewire-node"): "rxe-setup is privileged "
     "(NET_RAW included); the node container drops ALL",
-    # roce: the node container adds IPC_LOCK (k8s/overlays/roce/rdma-node.yaml).
-    ("roce", "CKV_K8S_25", "DaemonSet.pagewire.pagewire-node"): "the node container adds "
-    "IPC_LOCK to pin registered RDMA memory; it drops every other capability",
-    ("roce-hugepages", "CKV_K8S_25", "DaemonSet.pagewire.pagewire-node"): "as for roce: "
-    "IPC_LOCK for RDMA memory registration, every other capability dropped",
 }
 
 
