@@ -74,9 +74,11 @@ pub struct Args {
     /// Pages per op (a run of consecutive pages), comma-separated.
     #[arg(long = "run", value_delimiter = ',', default_value = "1,16")]
     pub run: Vec<usize>,
-    /// Paths to measure, comma-separated: shm, tcp (one-sided), grpc,
-    /// redis, raw_tcp (the ping-pong floor: one that spins for `--spin-us`,
-    /// one that blocks at once).
+    /// Paths to measure, comma-separated: shm, tcp, verbs (one-sided;
+    /// verbs needs the `verbs` feature and an RDMA device), grpc, redis,
+    /// raw_tcp (the ping-pong floor: one that spins for `--spin-us`, one
+    /// that blocks at once), perftest (ib_read_lat and ib_read_bw of 4 KiB
+    /// on the same RDMA link: the verbs floor).
     #[arg(
         long,
         value_delimiter = ',',
@@ -99,6 +101,31 @@ pub struct Args {
     /// executable's folder).
     #[arg(long)]
     pub bin_dir: Option<PathBuf>,
+    /// This machine's address for the daemon, the coordinator and Redis
+    /// when they run here (for verbs: an address whose interface carries
+    /// an RDMA device, never loopback).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub ip: String,
+    /// Run the owner's programs (coordinator, node, Redis, the perftest
+    /// server) on another machine through this command prefix, split on
+    /// whitespace, e.g. "pagewire-bench vm-exec 10.99.0.11:7700 owner --";
+    /// the binaries and --work-dir must be at the same paths there. The
+    /// owner's CPU is then that whole machine's (from its /proc/stat).
+    #[arg(long)]
+    pub owner_exec: Option<String>,
+    /// The owner machine's address (with --owner-exec).
+    #[arg(long)]
+    pub owner_ip: Option<String>,
+    /// Where the file and token go (a folder both machines see at the same
+    /// path with --owner-exec); default: a temporary folder.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// RDMA device for the verbs and perftest rows.
+    #[arg(long, env = "PAGEWIRE_RDMA_DEVICE", default_value = "rxe0")]
+    pub rdma_device: String,
+    /// Iterations of perftest's ib_read_lat (ib_read_bw runs as many).
+    #[arg(long, default_value_t = 2000)]
+    pub perftest_iters: u64,
     #[command(flatten)]
     #[serde(skip)]
     pub output: report::Output,
@@ -142,7 +169,7 @@ struct Group {
     transport: &'static str,
     index_cache: &'static str,
     owner: &'static str,
-    owner_pid: Option<u32>,
+    owner_cpu: OwnerCpu,
     clients: Vec<Box<dyn Client>>,
     runs: Vec<usize>,
 }
@@ -155,15 +182,36 @@ struct Sample {
     counters: Counters,
 }
 
+/// Whose CPU a row's owner CPU is.
+#[derive(Clone)]
+enum OwnerCpu {
+    None,
+    /// One process of this machine.
+    Pid(u32),
+    /// A whole machine (another one: the owner's VM).
+    Machine(cluster::Placement),
+}
+
+impl OwnerCpu {
+    fn read(&self) -> Option<f64> {
+        match self {
+            OwnerCpu::None => None,
+            OwnerCpu::Pid(p) => owner::process_cpu_us(*p),
+            OwnerCpu::Machine(m) => m.machine_cpu_us(),
+        }
+    }
+}
+
 /// How the one-sided rows reach their owner.
 struct OneSidedTarget {
     label: &'static str,
-    pid: u32,
-    shm_dir: PathBuf,
-    shm_name: String,
-    shm: RegionDescriptor,
+    cpu: OwnerCpu,
+    /// The owner's shm file (folder, name), when it is on this host.
+    shm: Option<(PathBuf, String, RegionDescriptor)>,
     tcp_addr: std::net::SocketAddr,
     tcp: RegionDescriptor,
+    /// The verbs control endpoint, when the owner serves verbs.
+    verbs: Option<(String, RegionDescriptor)>,
 }
 
 fn new_hist() -> Histogram<u64> {
@@ -201,7 +249,7 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
             })
         })
         .collect();
-    let cpu0 = g.owner_pid.and_then(owner::process_cpu_us);
+    let cpu0 = g.owner_cpu.read();
     start.wait();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(secs));
@@ -219,7 +267,7 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
         }
     }
     let el = t0.elapsed().as_secs_f64();
-    let cpu1 = g.owner_pid.and_then(owner::process_cpu_us);
+    let cpu1 = g.owner_cpu.read();
     if let Some(e) = first_err {
         return Err(e);
     }
@@ -263,25 +311,31 @@ fn shm_tempdir() -> anyhow::Result<tempfile::TempDir> {
     Ok(b.tempdir()?)
 }
 
-/// The one-sided target named by the daemon's `Transports`, when it names
-/// both an `shm` and a `tcp` region.
-fn daemon_target(c: &cluster::Cluster) -> Option<OneSidedTarget> {
+/// The one-sided target named by the daemon's `Transports`: its tcp
+/// region, and its shm and verbs regions when it serves them.
+fn daemon_target(c: &cluster::Cluster, cpu: OwnerCpu) -> Option<OneSidedTarget> {
     let desc = |t: &pagewire_proto::v1::TransportDescriptor| RegionDescriptor {
         addr: t.address,
         len: t.length,
         rkey: u32::try_from(t.rkey).unwrap_or(0),
         epoch: t.epoch,
     };
-    let shm = c.transports.iter().find(|t| t.kind == "shm")?;
-    let tcp = c.transports.iter().find(|t| t.kind == "tcp")?;
+    let kind = |k: &str| c.transports.iter().find(|t| t.kind == k);
+    let tcp = kind("tcp")?;
+    let shm = kind("shm").and_then(|t| {
+        Some((
+            PathBuf::from(String::from_utf8(t.opaque.clone()).ok()?),
+            t.endpoint.clone(),
+            desc(t),
+        ))
+    });
     Some(OneSidedTarget {
         label: "pagewire-node",
-        pid: c.node_pid(),
-        shm_dir: PathBuf::from(String::from_utf8(shm.opaque.clone()).ok()?),
-        shm_name: shm.endpoint.clone(),
-        shm: desc(shm),
+        cpu,
+        shm,
         tcp_addr: tcp.endpoint.parse().ok()?,
         tcp: desc(tcp),
+        verbs: kind("verbs").map(|t| (t.endpoint.clone(), desc(t))),
     })
 }
 
@@ -293,18 +347,25 @@ fn one_sided_clients(
     spin: Duration,
     token: &str,
 ) -> anyhow::Result<Vec<Box<dyn Client>>> {
+    if transport == "verbs" {
+        return verbs_clients(t, n, cold, token);
+    }
     let mut v: Vec<Box<dyn Client>> = Vec::new();
     for _ in 0..n {
         v.push(if transport == "shm" {
+            let (dir, name, desc) = t
+                .shm
+                .clone()
+                .context("the owner serves no shm region here")?;
             let conn = ShmConnection::connect(
-                &t.shm_name,
+                &name,
                 ShmConfig {
-                    dir: Some(t.shm_dir.clone()),
+                    dir: Some(dir),
                     chaos: None,
                 },
             )?;
             Box::new(clients::OneSided::new(
-                RemoteReader::connect(conn, t.shm, ReaderConfig::default())?,
+                RemoteReader::connect(conn, desc, ReaderConfig::default())?,
                 cold,
             ))
         } else {
@@ -322,6 +383,164 @@ fn one_sided_clients(
         });
     }
     Ok(v)
+}
+
+/// `n` readers sharing one queue pair to the owner, as the threads of a
+/// reader process do (`pagewire_node::client`).
+#[cfg(feature = "verbs")]
+fn verbs_clients(
+    t: &OneSidedTarget,
+    n: usize,
+    cold: bool,
+    token: &str,
+) -> anyhow::Result<Vec<Box<dyn Client>>> {
+    use pagewire_rdma::SharedConnection;
+    use pagewire_rdma::verbs::{VerbsConfig, VerbsConnection};
+    let (endpoint, desc) = t
+        .verbs
+        .clone()
+        .context("the owner serves no verbs region")?;
+    let mut cfg = VerbsConfig::new(token.as_bytes().to_vec());
+    // A warm run of 16 pages is 32 READs (headers and frames) under one
+    // doorbell.
+    cfg.max_outstanding = 64;
+    cfg.max_read_len = 64 << 10;
+    let env_u8 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u8>().ok());
+    if let Some(v) = env_u8(pagewire_node::client::VERBS_ACK_TIMEOUT_ENV) {
+        cfg.ack_timeout = v.min(31);
+    }
+    if let Some(v) = env_u8(pagewire_node::client::VERBS_RETRY_ENV) {
+        cfg.retry_count = v.min(7);
+    }
+    let shared = SharedConnection::new(
+        VerbsConnection::connect(endpoint.as_str(), cfg)
+            .with_context(|| format!("verbs connection to {endpoint}"))?,
+    );
+    let mut v: Vec<Box<dyn Client>> = Vec::new();
+    for _ in 0..n {
+        v.push(Box::new(clients::OneSided::new(
+            RemoteReader::connect(shared.handle(), desc, ReaderConfig::default())?,
+            cold,
+        )));
+    }
+    Ok(v)
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_clients(
+    _: &OneSidedTarget,
+    _: usize,
+    _: bool,
+    _: &str,
+) -> anyhow::Result<Vec<Box<dyn Client>>> {
+    bail!("the verbs rows need pagewire-bench built with --features verbs")
+}
+
+/// perftest's 4 KiB READ latency and bandwidth on the RDMA link between
+/// this machine and the owner's: the server on the owner's machine, the
+/// client here. Rows `perftest`/`ib_read_lat` (p50 = t_typical, p99 = its
+/// 99 % percentile, ops/s = 1/t_avg) and `perftest`/`ib_read_bw`
+/// (ops/s = its message rate; no latency).
+fn perftest_rows(
+    on: &cluster::Placement,
+    device: &str,
+    iters: u64,
+    skipped: &mut Vec<String>,
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for tool in ["ib_read_lat", "ib_read_bw"] {
+        let port = fastrand::u16(18_000..19_000).to_string();
+        let common = [
+            "-d",
+            device,
+            "-s",
+            "4096",
+            "-n",
+            &iters.to_string(),
+            "-F",
+            "-p",
+            &port,
+        ];
+        let mut server = on.command(Path::new(tool));
+        server
+            .args(common)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        crate::storm::die_with_parent(&mut server);
+        let mut server = match server.spawn() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                skipped.push(format!("perftest: {tool} not found, its row skipped"));
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("starting the {tool} server")),
+        };
+        // The server needs a moment to listen (seconds under an emulated CPU).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let out = loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let o = std::process::Command::new(tool)
+                .args(common)
+                .arg(&on.ip)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .with_context(|| format!("running {tool}"))?;
+            if o.status.success() || Instant::now() > deadline {
+                break o;
+            }
+        };
+        let _ = server.kill();
+        let _ = server.wait();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            skipped.push(format!(
+                "perftest: {tool} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+            continue;
+        }
+        // The figures are the line that starts with the message size.
+        let nums: Vec<f64> = text
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with("4096 "))
+            .map(|l| {
+                l.split_whitespace()
+                    .filter_map(|v| v.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let row = |ops: f64, p50: f64, p99: f64| Row {
+            path: "perftest",
+            transport: tool,
+            index_cache: "-",
+            owner: "-",
+            clients: 1,
+            run: 1,
+            ops_per_sec: ops,
+            p50_us: p50,
+            p99_us: p99,
+            owner_cpu_us_per_read: None,
+            round_trips_per_read: 1.0,
+            wrong_reads: 0,
+            retries: 0,
+            validation_failures: 0,
+            fallbacks: 0,
+            repeats_ops_per_sec: vec![ops],
+        };
+        match (tool, nums.as_slice()) {
+            // bytes iters t_min t_max t_typical t_avg t_stdev p99 p99.9
+            ("ib_read_lat", [_, _, _, _, typical, avg, _, p99, ..]) => {
+                rows.push(row(1e6 / avg, *typical, *p99));
+            }
+            // bytes iters bw_peak bw_avg msg_rate(Mpps)
+            ("ib_read_bw", [_, _, _, _, mpps, ..]) => rows.push(row(mpps * 1e6, 0.0, 0.0)),
+            _ => skipped.push(format!("perftest: cannot read {tool}'s output: {text}")),
+        }
+    }
+    Ok(rows)
 }
 
 /// A redis-server this process started; killed on drop.
@@ -344,21 +563,36 @@ impl Drop for RedisServer {
     }
 }
 
-/// Starts redis-server on a free loopback port and loads every page;
-/// `None` when the binary is missing.
-fn start_redis(bin: &str, pages: u64) -> anyhow::Result<Option<RedisServer>> {
-    start_redis_on(bin, "127.0.0.1", pages)
-}
-
 /// Starts redis-server on `ip` (this host's address) and a free port, and
 /// loads every page (generation 0) under [`clients::key`]; `None` when the
 /// binary is missing.
 pub fn start_redis_on(bin: &str, ip: &str, pages: u64) -> anyhow::Result<Option<RedisServer>> {
-    let port = std::net::TcpListener::bind((ip, 0))
-        .with_context(|| format!("binding a port on {ip} for redis"))?
-        .local_addr()?
-        .port();
-    let mut cmd = std::process::Command::new(bin);
+    let here = cluster::Placement {
+        exec: Vec::new(),
+        ip: ip.to_owned(),
+        verbs: false,
+    };
+    start_redis_via(&here, bin, pages)
+}
+
+/// Starts redis-server where `on` says (on its address, a free port), and
+/// loads every page (generation 0) under [`clients::key`]; `None` when the
+/// binary is missing.
+fn start_redis_via(
+    on: &cluster::Placement,
+    bin: &str,
+    pages: u64,
+) -> anyhow::Result<Option<RedisServer>> {
+    let ip = on.ip.as_str();
+    let port = if on.exec.is_empty() {
+        std::net::TcpListener::bind((ip, 0))
+            .with_context(|| format!("binding a port on {ip} for redis"))?
+            .local_addr()?
+            .port()
+    } else {
+        fastrand::u16(30_000..40_000)
+    };
+    let mut cmd = on.command(Path::new(bin));
     cmd.args(["--bind", ip, "--port", &port.to_string()])
         .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
         .args(["--daemonize", "no", "--loglevel", "warning"])
@@ -439,7 +673,9 @@ pub fn redis_benchmark(
 /// # Errors
 /// A setup step failed, a client failed, or a page read was wrong.
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    const KNOWN: [&str; 5] = ["shm", "tcp", "grpc", "redis", "raw_tcp"];
+    const KNOWN: [&str; 7] = [
+        "shm", "tcp", "verbs", "grpc", "redis", "raw_tcp", "perftest",
+    ];
     if let Some(p) = a.paths.iter().find(|p| !KNOWN.contains(&p.as_str())) {
         bail!("unknown path {p:?} (known: {})", KNOWN.join(", "));
     }
@@ -473,7 +709,40 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     ];
     let mut skipped = Vec::new();
 
-    let dir = tempfile::tempdir()?;
+    let placement = cluster::Placement {
+        exec: a
+            .owner_exec
+            .as_deref()
+            .map(|s| s.split_whitespace().map(str::to_owned).collect())
+            .unwrap_or_default(),
+        ip: a.owner_ip.clone().unwrap_or_else(|| a.ip.clone()),
+        verbs: want("verbs"),
+    };
+    let elsewhere = !placement.exec.is_empty();
+    if want("verbs") && !cfg!(feature = "verbs") {
+        bail!(
+            "--paths verbs: this pagewire-bench was built without RDMA support (--features verbs)"
+        );
+    }
+    if elsewhere && want("shm") {
+        bail!("--owner-exec with the shm path: shm reads the owner's memory on this host");
+    }
+    if elsewhere && a.owner == "internal" {
+        bail!("--owner-exec runs the daemon elsewhere: not with --owner internal");
+    }
+    if elsewhere {
+        notes.push(format!(
+            "owner machine: {} via {:?}; owner CPU is that whole machine's busy time (user+nice+system+irq+softirq from its /proc/stat, which includes the kernel's soft-RoCE work), per page read",
+            placement.ip, placement.exec
+        ));
+    }
+    let dir = match &a.work_dir {
+        Some(w) => {
+            std::fs::create_dir_all(w)?;
+            tempfile::Builder::new().prefix("remote-").tempdir_in(w)?
+        }
+        None => tempfile::tempdir()?,
+    };
     let file = dir.path().join("data");
     pattern::generate_file(&file, pages * PAGE as u64, PAGE)?;
     let verify_us = verify_cost_us(&file)?;
@@ -487,7 +756,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let frames = 2 * pages as usize;
 
     // The daemon: the gRPC row, and the one-sided owner once it serves shm/tcp.
-    let need_daemon = want("grpc") || a.owner == "daemon";
+    let need_daemon = want("grpc") || a.owner == "daemon" || want("verbs") || elsewhere;
     let cluster = if need_daemon {
         match cluster::binaries(a.bin_dir.as_deref()) {
             Some(bins) => Some(cluster::Cluster::start(
@@ -497,6 +766,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 pages,
                 frames,
                 TOKEN,
+                &placement,
             )?),
             None => {
                 let msg = "grpc: pagewire-node or pagewire-coordinator not found next to pagewire-bench (cargo build --release -p pagewire-node -p pagewire-coordinator, or --bin-dir): gRPC rows skipped".to_owned();
@@ -508,13 +778,33 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    let from_daemon = cluster.as_ref().and_then(daemon_target);
+    let from_daemon = cluster.as_ref().and_then(|c| {
+        daemon_target(
+            c,
+            if elsewhere {
+                OwnerCpu::Machine(placement.clone())
+            } else {
+                OwnerCpu::Pid(c.node_pid())
+            },
+        )
+    });
+    if want("verbs") && from_daemon.as_ref().is_none_or(|t| t.verbs.is_none()) {
+        bail!(
+            "--paths verbs: the daemon publishes no verbs region (its Transports: {:?}; see its log in the work folder)",
+            cluster.as_ref().map(|c| c
+                .transports
+                .iter()
+                .map(|t| t.kind.clone())
+                .collect::<Vec<_>>())
+        );
+    }
     let _shm_dir;
     let mut _internal = None;
-    let target = if !(want("shm") || want("tcp")) {
+    let target = if !(want("shm") || want("tcp") || want("verbs")) {
         None
     } else if a.owner != "internal"
         && let Some(t) = from_daemon
+        && (t.shm.is_some() || !want("shm"))
     {
         notes.push(
             "one-sided rows: served by the pagewire-node daemon (its Transports descriptors)"
@@ -559,12 +849,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         ));
         let t = OneSidedTarget {
             label: "bench-owner",
-            pid: o.pid(),
-            shm_dir: o.served.shm_dir.clone(),
-            shm_name: o.served.shm_name.clone(),
-            shm: o.served.shm,
+            cpu: OwnerCpu::Pid(o.pid()),
+            shm: Some((
+                o.served.shm_dir.clone(),
+                o.served.shm_name.clone(),
+                o.served.shm,
+            )),
             tcp_addr: o.served.tcp_addr,
             tcp: o.served.tcp,
+            verbs: None,
         };
         _internal = Some(o);
         Some(t)
@@ -577,7 +870,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
 
     let redis = if want("redis") {
-        let r = start_redis(&a.redis_server, pages)?;
+        let r = start_redis_via(&placement, &a.redis_server, pages)?;
         if r.is_none() {
             let msg = format!("redis: {} not found, Redis rows skipped", a.redis_server);
             eprintln!("{msg}");
@@ -605,7 +898,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut groups = Vec::new();
     for &n in &a.clients {
         if let Some(t) = &target {
-            for transport in ["shm", "tcp"] {
+            for transport in ["shm", "verbs", "tcp"] {
                 if !want(transport) {
                     continue;
                 }
@@ -619,7 +912,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                         transport,
                         index_cache: cache,
                         owner: t.label,
-                        owner_pid: Some(t.pid),
+                        owner_cpu: t.cpu.clone(),
                         clients: cs,
                         runs: a.run.clone(),
                     });
@@ -642,7 +935,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 transport: "grpc",
                 index_cache: "-",
                 owner: "pagewire-node",
-                owner_pid: Some(c.node_pid()),
+                owner_cpu: if elsewhere {
+                    OwnerCpu::Machine(placement.clone())
+                } else {
+                    OwnerCpu::Pid(c.node_pid())
+                },
                 clients: cs,
                 runs: a.run.clone(),
             });
@@ -657,7 +954,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 transport: "redis",
                 index_cache: "-",
                 owner: "redis-server",
-                owner_pid: Some(r.child.id()),
+                owner_cpu: if elsewhere {
+                    OwnerCpu::Machine(placement.clone())
+                } else {
+                    OwnerCpu::Pid(r.child.id())
+                },
                 clients: cs,
                 runs: a.run.clone(),
             });
@@ -672,7 +973,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 transport,
                 index_cache: "-",
                 owner: "-",
-                owner_pid: None,
+                owner_cpu: OwnerCpu::None,
                 clients: cs,
                 runs: vec![1],
             });
@@ -729,6 +1030,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
     }
     drop(groups);
+    if want("perftest") {
+        rows.extend(perftest_rows(
+            &placement,
+            &a.rdma_device,
+            a.perftest_iters,
+            &mut skipped,
+        )?);
+    }
 
     let targets = targets(&rows);
     let machine = crate::machine::describe();
@@ -891,6 +1200,14 @@ fn targets(rows: &[Row]) -> Vec<Target> {
         redis(8),
         1.0,
     );
+    for n in [1, 8] {
+        ratio(
+            format!("one-sided verbs / gRPC Read ops, {n} clients"),
+            os("verbs", n),
+            grpc(n),
+            2.0,
+        );
+    }
     if let (Some(s), Some(g)) = (os("shm", 1), grpc(1))
         && let (Some(cs), Some(cg)) = (s.owner_cpu_us_per_read, g.owner_cpu_us_per_read)
         && cg > 0.0
@@ -901,6 +1218,19 @@ fn targets(rows: &[Row]) -> Vec<Target> {
             value: v,
             bound: "< 0.02".into(),
             met: v < 0.02,
+        });
+    }
+    if let (Some(v), Some(p)) = (
+        os("verbs", 1),
+        find(rows, "perftest", "ib_read_lat", "-", 1, 1),
+    ) && p.p50_us > 0.0
+    {
+        let r = v.p50_us / p.p50_us;
+        out.push(Target {
+            target: "one-sided verbs p50 / ib_read_lat 4 KiB p50 (t_typical), 1 client".into(),
+            value: r,
+            bound: "<= 1.5x".into(),
+            met: r <= 1.5,
         });
     }
     let spin = find(rows, "raw_tcp", "tcp_spin", "-", 1, 1);

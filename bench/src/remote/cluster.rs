@@ -22,6 +22,62 @@ use tonic::transport::Channel;
 
 pub type NodeRpc = NodeClient<InterceptedService<Channel, AttachToken>>;
 
+/// Where the owner's programs run: this machine, or another one through a
+/// command prefix (`pagewire-bench vm-exec ADDR NAME --`; the programs and
+/// the files named must be at the same paths there), and the address they
+/// listen on.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    pub exec: Vec<String>,
+    pub ip: String,
+    /// The node serves its region over verbs too.
+    pub verbs: bool,
+}
+
+impl Placement {
+    /// A command running `program` there; `exec` prefixes name the program
+    /// after a `--`-ended prefix, with its name as the vm-exec NAME.
+    pub fn command(&self, program: &Path) -> Command {
+        match self.exec.split_first() {
+            None => Command::new(program),
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(program);
+                c
+            }
+        }
+    }
+
+    /// The whole machine's busy CPU time there (user, nice, system, irq,
+    /// softirq of every CPU from `/proc/stat`), µs: on soft-RoCE the
+    /// owner's side of a READ runs in the kernel's softirq, not in any
+    /// process.
+    pub fn machine_cpu_us(&self) -> Option<f64> {
+        let text = if self.exec.is_empty() {
+            std::fs::read_to_string("/proc/stat").ok()?
+        } else {
+            let mut c = self.command(Path::new("cat"));
+            let out = c
+                .arg("/proc/stat")
+                .stderr(Stdio::piped())
+                .stdout(Stdio::null())
+                .output()
+                .ok()?;
+            // vm-exec puts the program's output on its stderr.
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        };
+        let line = text.lines().find(|l| l.starts_with("cpu "))?;
+        let f: Vec<f64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq
+        let busy = f.first()? + f.get(1)? + f.get(2)? + f.get(5)? + f.get(6)?;
+        Some(busy * 1e6 / super::owner::clock_ticks())
+    }
+}
+
 /// A running coordinator and node; both killed on drop.
 pub struct Cluster {
     coordinator: Child,
@@ -78,13 +134,21 @@ impl Cluster {
         pages: u64,
         frames: usize,
         token: &str,
+        on: &Placement,
     ) -> anyhow::Result<Self> {
         let token_file = dir.join("cluster-token");
         std::fs::write(&token_file, token)?;
-        let port = free_port()?;
-        let coordinator = Command::new(coordinator_bin)
+        let port = if on.exec.is_empty() {
+            free_port()?
+        } else {
+            // Another machine: a port free there is not ours to probe.
+            fastrand::u16(20_000..30_000)
+        };
+        let ip = on.ip.clone();
+        let coordinator = on
+            .command(&coordinator_bin)
             .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("{ip}:{port}"))
             .args(["--metrics-listen", ""])
             .arg("--state-file")
             .arg(dir.join("coordinator.state"))
@@ -98,13 +162,17 @@ impl Cluster {
             .stderr(std::fs::File::create(dir.join("coordinator.log"))?)
             .spawn()
             .context("starting pagewire-coordinator")?;
-        let node = Command::new(node_bin)
+        let mut node = on.command(&node_bin);
+        if on.verbs {
+            node.arg("--verbs");
+        }
+        let node = node
             .args(["--node-id", "bench-owner"])
             .arg("--backing-file")
             .arg(file)
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", ""])
+            .args(["--listen", &format!("{ip}:0"), "--metrics-listen", ""])
             .arg("--coordinator")
-            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("{ip}:{port}"))
             .arg("--token-file")
             .arg(&token_file)
             .arg("--frames")
@@ -122,7 +190,7 @@ impl Cluster {
             transports: Vec::new(),
             token: token.to_owned(),
         };
-        c.settle(port, pages)
+        c.settle(&format!("{ip}:{port}"), pages)
             .with_context(|| format!("cluster start (logs in {})", dir.display()))?;
         Ok(c)
     }
@@ -135,7 +203,7 @@ impl Cluster {
         &self.token
     }
 
-    fn settle(&mut self, port: u16, pages: u64) -> anyhow::Result<()> {
+    fn settle(&mut self, coordinator: &str, pages: u64) -> anyhow::Result<()> {
         let token = self.token.clone();
         let deadline = Instant::now() + Duration::from_secs(60);
         let rt = rt()?;
@@ -144,7 +212,7 @@ impl Cluster {
                 if Instant::now() > deadline {
                     bail!("the node never came to own every extent");
                 }
-                if let Ok(Some(x)) = self.try_map(port, &token).await {
+                if let Ok(Some(x)) = self.try_map(coordinator, &token).await {
                     return Ok(x);
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -185,19 +253,18 @@ impl Cluster {
     }
 
     /// `(node address, epoch)` once the map gives every extent to the node.
-    async fn try_map(&mut self, port: u16, token: &str) -> anyhow::Result<Option<(String, u64)>> {
+    async fn try_map(
+        &mut self,
+        coordinator: &str,
+        token: &str,
+    ) -> anyhow::Result<Option<(String, u64)>> {
         if let Some(s) = self.node.try_wait()? {
             bail!("pagewire-node exited: {s}");
         }
         if let Some(s) = self.coordinator.try_wait()? {
             bail!("pagewire-coordinator exited: {s}");
         }
-        let ch = pagewire_proto::net::connect(
-            &format!("127.0.0.1:{port}"),
-            None,
-            Duration::from_secs(1),
-        )
-        .await?;
+        let ch = pagewire_proto::net::connect(coordinator, None, Duration::from_secs(1)).await?;
         let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
         let m = c.get_map(GetMapRequest::default()).await?.into_inner();
         let Some(node) = m.nodes.first() else {
