@@ -30,7 +30,7 @@ use pagewire_node::index::Lockless;
 use pagewire_node::remote::{ReaderConfig, RemoteReader};
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::verbs::{DEVICE_ENV, VerbsConfig, VerbsConnection, VerbsOwner};
-use pagewire_rdma::{LocalRegion, MemoryOwner, RegionDescriptor};
+use pagewire_rdma::{LocalRegion, MemoryOwner, RegionDescriptor, SharedConnection};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -131,25 +131,37 @@ fn remote_reads_over_verbs() {
     let acked = acked_words(&acked_map);
     let tally = Tally::default();
     // Connect every reader first (queue pairs are slow to set up under
-    // emulation), then read for `secs()`.
-    let readers: Vec<_> = (0..READERS)
+    // emulation), then read for `secs()`. Half the threads have a queue
+    // pair each; the other half share one, as the threads of a reader
+    // process do (`SharedConnection`, what `pagewire_node::client` uses).
+    let own: Vec<_> = (0..READERS)
         .map(|_| {
             let conn =
                 VerbsConnection::connect(addr.as_str(), config()).expect("connect over verbs");
             RemoteReader::connect(conn, desc, ReaderConfig::default()).unwrap()
         })
         .collect();
+    let shared = SharedConnection::new(
+        VerbsConnection::connect(addr.as_str(), config()).expect("connect over verbs"),
+    );
+    let handles: Vec<_> = (0..READERS)
+        .map(|_| RemoteReader::connect(shared.handle(), desc, ReaderConfig::default()).unwrap())
+        .collect();
     let deadline = Instant::now() + Duration::from_secs_f64(secs());
     std::thread::scope(|s| {
-        for (i, reader) in readers.into_iter().enumerate() {
-            let tally = &tally;
-            // Reads are at most one page here (`config`): no runs.
+        let tally = &tally;
+        // Reads are at most one page here (`config`): no runs.
+        for (i, reader) in own.into_iter().enumerate() {
             s.spawn(move || read_loop(reader, 20 + i as u64, deadline, acked, tally, false));
         }
+        for (i, reader) in handles.into_iter().enumerate() {
+            s.spawn(move || read_loop(reader, 40 + i as u64, deadline, acked, tally, false));
+        }
     });
+    assert!(!shared.is_broken(), "the shared queue pair broke");
     let owner_line = owner.finish();
     println!(
-        "remote over verbs ({}), {:.1} s, {READERS} reader threads: {}; {owner_line}",
+        "remote over verbs ({}), {:.1} s, {READERS} reader threads with a queue pair each and {READERS} sharing one: {}; {owner_line}",
         std::env::var(DEVICE_ENV).unwrap_or_else(|_| "first device".to_owned()),
         secs(),
         tally.line()
