@@ -59,68 +59,14 @@ cp "$bin" "$share/verbs-tests"
 cp "$remote_bin" "$share/remote-verbs-tests"
 
 # 2. The kernel, unpacked, never installed.
-kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
-[ -n "$kpkg" ] || { say "no linux-image-amd64 in the apt lists (run apt-get update)"; exit 1; }
-kver=${kpkg#linux-image-}
-kdir=$work/kernel-$kver
-if [ ! -f "$kdir/boot/vmlinuz-$kver" ]; then
-    say "fetching $kpkg"
-    rm -rf "$kdir" "$work"/dl; mkdir -p "$work/dl" "$kdir"
-    (cd "$work/dl" && apt-get download -o APT::Sandbox::User=root "$kpkg" >/dev/null)
-    dpkg-deb -x "$work"/dl/*.deb "$kdir"
-    depmod -b "$kdir" "$kver"
-    rm -rf "$work/dl"
-fi
+. "$repo/rdma/scripts/softroce-lib.sh"
+softroce_kernel
 
 # 3. The initramfs: busybox, the verbs user space with its libraries, modules.
 say "building the initramfs"
 root=$work/initramfs
-rm -rf "$root"
-mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,mnt/host,etc/libibverbs.d,lib/modules,usr/lib/x86_64-linux-gnu/libibverbs}
-cp /bin/busybox "$root/bin/busybox"
-for app in sh mount ip sleep cat echo poweroff insmod mkdir ls uname dmesg grep seq; do
-    ln -sf busybox "$root/bin/$app"
-done
-libdir=/usr/lib/x86_64-linux-gnu
-rdma_tool=$(command -v rdma || echo /sbin/rdma)
-copy_with_libs() {
-    local f
-    for f in "$@"; do
-        mkdir -p "$root$(dirname "$f")"
-        cp -L "$f" "$root$f"
-        ldd "$f" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
-            mkdir -p "$root$(dirname "$lib")"
-            [ -e "$root$lib" ] || cp -L "$lib" "$root$lib"
-        done
-    done
-}
-# libibverbs and librdmacm are loaded at run time by sideway (dlopen): copy
-# them and the rxe provider by name, with their own libraries.
-copy_with_libs "$rdma_tool" "$bin" "$remote_bin" \
-    "$(readlink -f $libdir/libibverbs.so.1)" "$(readlink -f $libdir/librdmacm.so.1)" \
-    $libdir/libibverbs/librxe-rdmav*.so
-for l in libibverbs.so.1 librdmacm.so.1; do
-    cp -P "$libdir/$l" "$root$libdir/$l"
-done
-cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
-mkdir -p "$root/lib64"; [ -e "$root/lib64/ld-linux-x86-64.so.2" ] || cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"
-# Modules in dependency order; crc32_generic first-class: rxe needs it and
-# nothing loads it (without it `rdma link add` fails with ENOENT).
-mods=""
-for m in virtio_pci virtio_net 9pnet_virtio 9p crc32_generic rdma_rxe rdma_ucm; do
-    mods="$mods $(modprobe -d "$kdir" -S "$kver" --show-depends "$m" | awk '$1=="insmod"{print $2}')"
-done
-order=""
-for f in $mods; do
-    case " $order " in *" $f "*) ;; *) order="$order $f" ;; esac
-done
-: > "$root/modules.order"
-for f in $order; do
-    rel=${f#"$kdir"}
-    mkdir -p "$root$(dirname "$rel")"
-    cp "$f" "$root$rel"
-    echo "$rel" >> "$root/modules.order"
-done
+softroce_initramfs_base sh mount ip sleep cat echo poweroff insmod mkdir ls uname dmesg grep seq \
+    -- "$bin" "$remote_bin"
 cat > "$root/init" <<'INIT'
 #!/bin/sh
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
@@ -157,7 +103,7 @@ INIT
 chmod +x "$root/init"
 echo "${SOFTROCE_TEST_ARGS:-}" > "$root/test-args"
 echo "$remote_secs" > "$root/remote-secs"
-(cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initrd.gz"
+softroce_pack "$work/initrd.gz"
 
 # 4. Boot it.
 say "booting $kver under qemu (TCG), timeout ${timeout_s}s"
