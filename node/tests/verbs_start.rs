@@ -8,7 +8,8 @@
 //! prompt exit with the error proves the refusal came first.
 //!
 //! The tests that need a device are ignored here and run in the soft-RoCE
-//! VM (`rdma/scripts/softroce-test.sh`).
+//! VM (`rdma/scripts/softroce-test.sh`, with `PAGEWIRE_NODE_BIN` naming
+//! the binary on its share).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -21,7 +22,11 @@ fn run_node(dir: &Path, args: &[&str], pre: Option<fn() -> std::io::Result<()>>)
     std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
     let token = dir.join("token");
     std::fs::write(&token, "verbs-start-test-token").unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_pagewire-node"));
+    // Inside the soft-RoCE VM the binary is on the 9p share, not where cargo
+    // built it.
+    let bin = std::env::var("PAGEWIRE_NODE_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_pagewire-node").to_owned());
+    let mut c = Command::new(bin);
     c.arg("--backing-file")
         .arg(&file)
         .arg("--token-file")

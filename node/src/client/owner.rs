@@ -463,3 +463,67 @@ pub(crate) mod verbs {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner_with(kinds: &[&str]) -> MapNode {
+        MapNode {
+            index: 1,
+            node_id: "n1".into(),
+            // Nothing listens on the discard port: every connect fails fast.
+            transports: kinds
+                .iter()
+                .map(|k| TransportDescriptor {
+                    kind: (*k).into(),
+                    endpoint: "127.0.0.1:9".into(),
+                    address: 1 << 20,
+                    length: 1 << 20,
+                    rkey: 7,
+                    epoch: 3,
+                    opaque: Vec::new(),
+                })
+                .collect(),
+            ..MapNode::default()
+        }
+    }
+
+    /// A reader that cannot use verbs (no device here, or built without the
+    /// feature) goes on to tcp under `auto` without a verbs error, and
+    /// `verbs` alone says why it cannot.
+    #[test]
+    fn auto_goes_on_to_tcp_when_verbs_is_not_usable_here() {
+        if std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some()) {
+            eprintln!("skipped: this host has an RDMA device");
+            return;
+        }
+        let mut how = ConnectHow::daemon("auto-fallback-test-token");
+        how.tcp.connect_timeout = Duration::from_millis(200);
+        let e = connect(&owner_with(&["verbs", "tcp"]), &how)
+            .err()
+            .expect("nothing listens");
+        assert!(
+            e.starts_with("tcp: "),
+            "auto tried tcp and only tcp failed: {e}"
+        );
+        how.transport = TransportChoice::Verbs;
+        let e = connect(&owner_with(&["verbs", "tcp"]), &how)
+            .err()
+            .expect("no verbs here");
+        assert!(
+            e.contains("built without RDMA support") || e.contains("no usable RDMA device"),
+            "{e}"
+        );
+        assert!(!e.contains("tcp"), "verbs alone never tries tcp: {e}");
+        let e = connect(&owner_with(&["tcp"]), &how)
+            .err()
+            .expect("no verbs descriptor");
+        assert_eq!(e, "it publishes no verbs descriptor");
+        assert_eq!(
+            "verbs".parse::<TransportChoice>(),
+            Ok(TransportChoice::Verbs)
+        );
+        assert!("rdma".parse::<TransportChoice>().is_err());
+    }
+}
