@@ -75,7 +75,9 @@ pub struct Args {
     /// Reader processes (one client each), the same count on every path.
     #[arg(long, default_value_t = 4)]
     pub readers: usize,
-    /// One-sided transport: shm (same host), tcp, auto, or verbs.
+    /// One-sided transport: shm (same host), tcp, auto, or verbs (nodes
+    /// serve verbs too; readers read over verbs only, so every one-sided
+    /// read crosses an RDMA device; needs the `verbs` feature).
     #[arg(long, default_value = "shm")]
     pub transport: String,
     #[arg(long, value_enum, default_value = "zipfian")]
@@ -172,7 +174,8 @@ pub struct DemoArgs {
     /// Size of the generated file in MiB.
     #[arg(long, default_value_t = 1024)]
     pub file_mib: u64,
-    /// One-sided transport: shm or tcp.
+    /// One-sided transport: shm, tcp, auto, or verbs (nodes then serve
+    /// verbs: an RDMA device on this host's address, the `verbs` feature).
     #[arg(long, default_value = "shm")]
     pub transport: String,
     /// Length of the storm (20 to 40 s make a good picture).
