@@ -30,11 +30,17 @@
 #
 # VM0 waits for every agent to answer, runs perftest's ib_read_lat and
 # ib_read_bw (4 KiB READs) against node-1 (the known-good baseline), then
-# the storm over verbs with a fault schedule, and writes /mnt/work/ctl-done;
+# the storm over verbs with a fault schedule, then `pagewire-bench remote`
+# with node-1 as the owner (its coordinator, node, Redis and perftest
+# servers started there through its agent; the readers in VM0): one-sided
+# verbs, one-sided tcp, gRPC Read, Redis GET and ib_read_lat/ib_read_bw
+# side by side on the same link; and writes /mnt/work/ctl-done;
 # the node VMs power off when they see it. Prints SOFTROCE-CLUSTER PASS and
 # exits 0 only if the storm's JSON says: no wrong and no stale read in any
 # result row, every scheduled event recovered, and the verbs rows read
-# one-sided over verbs (one_sided_verbs > 0).
+# one-sided over verbs (one_sided_verbs > 0), and, for remote, no wrong
+# read and verbs rows present (its targets are printed, met or MISSED; a
+# missed speed target under TCG does not fail the run).
 #
 # Usage (as root, from anywhere):
 #   rdma/scripts/softroce-cluster.sh [OPTIONS] [-- STORM ARGS...]
@@ -49,6 +55,9 @@
 #                     1500: rxe's IB MTU 1024, a 4 KiB page in 4 packets)
 #   --timeout SECS    the whole run, boot to power-off (default 1500)
 #   --perftest        only the perftest baseline (no storm)
+#   --remote-only     the perftest baseline and `pagewire-bench remote`
+#                     between VM0 and node-1 (no storm)
+#   --no-remote       the storm without `pagewire-bench remote` after it
 #   --self-check      boot, prove rxe, the agents and ib_read_lat between VM0
 #                     and node-1, tear down; no storm
 #   --keep DIR        copy the results (consoles, storm JSON, plots, logs) to DIR
@@ -102,6 +111,7 @@ ctl_smp=2
 mtu=1500
 timeout_s=1500
 mode=storm
+remote=1
 keep=""
 bench_bin=""
 build=1
@@ -125,6 +135,8 @@ while (($#)); do
         --mtu) mtu=${2:?--mtu needs a number}; shift 2 ;;
         --timeout) timeout_s=${2:?--timeout needs seconds}; shift 2 ;;
         --perftest) mode=perftest; shift ;;
+        --remote-only) mode=remote; shift ;;
+        --no-remote) remote=0; shift ;;
         --self-check) mode=self-check; shift ;;
         --keep) keep=${2:?--keep needs a directory}; shift 2 ;;
         --bench-bin) bench_bin=${2:?--bench-bin needs a path}; shift 2 ;;
@@ -319,6 +331,7 @@ for w in $(cat /proc/cmdline); do
         pw.mode=*) mode=${w#pw.mode=} ;;
         pw.nodes=*) nodes=${w#pw.nodes=} ;;
         pw.secs=*) secs=${w#pw.secs=} ;;
+        pw.remote=*) remote=${w#pw.remote=} ;;
     esac
 done
 say() { echo "pwvm[$name] $(cut -d' ' -f1 /proc/uptime)s: $*"; }
@@ -422,7 +435,26 @@ perftest ib_read_bw -s 4096 -n 2000
 echo "PWVM-PERFTEST done"
 g2=$(cut -d' ' -f1 /proc/uptime); h2=$(host_now)
 echo "PWVM-CLOCK guest $(awk -v a="$g1" -v b="$g2" 'BEGIN{printf "%.2f", b - a}') s, host $(awk -v a="$h1" -v b="$h2" 'BEGIN{printf "%.2f", b - a}') s, clocksource $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
+# remote_bench: `pagewire-bench remote` with node-1 as the owner machine.
+remote_bench() {
+    say "remote: verbs, tcp, gRPC, Redis and perftest between ctl and node-1"
+    echo "PWVM-REMOTE start"
+    cd /tmp
+    timeout -s KILL 900 "$bench" remote --paths verbs,tcp,grpc,redis,perftest \
+        --clients 1 --run 1,16 --pages 1024 --seconds 2 --runs 3 --perftest-iters 1000 \
+        --ip 10.99.0.10 --owner-ip 10.99.0.11 \
+        --owner-exec "$bench vm-exec 10.99.0.11:7700 remote-owner --" \
+        --work-dir /mnt/work/remote --json --out "$out/remote" \
+        > "$out/remote-stdout.json" 2> "$out/remote-stderr.log"
+    rrc=$?
+    echo "$rrc" > "$out/remote.rc"
+    echo "PWVM-REMOTE rc=$rrc"
+}
 if [ "$mode" = self-check ] || [ "$mode" = perftest ]; then
+    finish
+fi
+if [ "$mode" = remote ]; then
+    remote_bench
     finish
 fi
 
@@ -435,6 +467,9 @@ timeout -s KILL "$secs" "$bench" storm "$@" > "$out/storm-stdout.json" 2> "$out/
 rc=$?
 echo "$rc" > "$out/storm.rc"
 echo "PWVM-STORM rc=$rc"
+if [ "$remote" = 1 ]; then
+    remote_bench
+fi
 finish
 INIT
 } >"$root/init"
@@ -520,7 +555,7 @@ boot_vm() { # K
     if ((k == 0)); then m=$ctl_mem s=$ctl_smp; else m=$mem s=$smp; fi
     nsx timeout -k 10 "$timeout_s" qemu-system-x86_64 -accel tcg -cpu max -smp "$s" -m "$m" \
         -kernel "$kdir/boot/vmlinuz-$kver" -initrd "$dir/initrd.gz" \
-        -append "console=ttyS0 panic=-1 quiet rdinit=/init pw.name=$name pw.ip=$(node_ip "$k") pw.mtu=$mtu pw.mode=$mode pw.nodes=$nodes pw.secs=$storm_secs" \
+        -append "console=ttyS0 panic=-1 quiet rdinit=/init pw.name=$name pw.ip=$(node_ip "$k") pw.mtu=$mtu pw.mode=$mode pw.nodes=$nodes pw.secs=$storm_secs pw.remote=$remote" \
         -display none -serial "file:$dir/console-$name.log" -monitor none -no-reboot \
         -netdev "tap,id=n0,ifname=pwtap$k,script=no,downscript=no" \
         -device "virtio-net-pci,netdev=n0,mac=$(vm_mac "$k")" \
@@ -581,9 +616,9 @@ done
 say "boot (to rxe0 ACTIVE and 9p mounted):$boot_line"
 grep -h '^PWVM-FAIL' "$dir"/console-*.log 2>/dev/null | tr -d '\r' | sed 's/^/  /' >&2 || true
 
-verdict=$(python3 - "$dir/work" "$mode" "$nodes" <<'PY'
+verdict=$(python3 - "$dir/work" "$mode" "$nodes" "$remote" <<'PY'
 import json, os, re, sys
-work, mode, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+work, mode, nodes, remote = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 out = os.path.join(work, "out")
 lines, ok = [], True
 def bad(msg):
@@ -673,7 +708,31 @@ if mode == "storm":
             bad(f"{len(ev)} events in the JSON, {expected} scheduled")
         for n in doc.get("notes", []):
             lines.append(f"note: {n}")
-else:
+if mode == "remote" or (mode == "storm" and remote == "1"):
+    rc = open(os.path.join(out, "remote.rc")).read().strip() if os.path.exists(os.path.join(out, "remote.rc")) else "none"
+    if rc != "0":
+        bad(f"pagewire-bench remote exited with {rc}")
+    try:
+        doc = json.load(open(os.path.join(out, "remote", "remote.json")))
+    except (OSError, ValueError) as e:
+        bad(f"no remote.json: {e}")
+        doc = None
+    if doc is not None:
+        rows = doc.get("results", [])
+        if not any(r.get("transport") == "verbs" for r in rows):
+            bad("remote: no verbs row")
+        for r in rows:
+            cpu = r.get("owner_cpu_us_per_read")
+            lines.append(f"remote {r.get('path')}/{r.get('transport')}/{r.get('index_cache')} x{r.get('clients')} run {r.get('run')}: "
+                         f"{r.get('ops_per_sec', 0):.0f} pages/s, p50 {r.get('p50_us', 0):.0f} us, p99 {r.get('p99_us', 0):.0f} us, "
+                         f"owner cpu {'-' if cpu is None else f'{cpu:.0f}'} us/read, rt/read {r.get('round_trips_per_read', 0):.3f}, wrong {r.get('wrong_reads')}")
+            if r.get("wrong_reads") != 0:
+                bad(f"remote {r.get('path')}/{r.get('transport')}: wrong_reads={r.get('wrong_reads')}")
+        for t in doc.get("targets", []):
+            lines.append(f"remote target {t.get('target')}: {t.get('value'):.3f} (bound {t.get('bound')}) -> {'met' if t.get('met') else 'MISSED'}")
+        for n in doc.get("skipped", []):
+            lines.append(f"remote skipped: {n}")
+if mode in ("self-check", "perftest"):
     cons = open(os.path.join(os.path.dirname(work), "console-ctl.log"), errors="replace").read()
     if "PWVM-AGENTS" not in cons:
         bad("not every agent answered")

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Runs pagewire's verbs tests on real ibverbs, inside a soft-RoCE VM: the
-# rdma crate's verbs conformance suite, then the node's remote-read test over
-# verbs (node/tests/remote_verbs.rs: an owner process's page cache under
-# faults, eviction and writes, read one-sided by reader threads).
+# rdma crate's verbs conformance suite (each connection its own, then every
+# connection a handle of one shared queue pair), the node's refusals to start
+# (node/tests/verbs_start.rs: a GID index or device that does not exist),
+# then the node's remote-read test over verbs (node/tests/remote_verbs.rs: an
+# owner process's page cache under faults, eviction and writes, read
+# one-sided by reader threads).
 #
 # The development and CI kernels have no RDMA, so this boots Debian's stock
 # kernel under qemu (TCG: KVM does not work on these hosts) with a hand-made
 # busybox initramfs, loads soft-RoCE (rdma_rxe), adds rxe0 on the VM's eth0,
-# and runs both test binaries (built here, shared read-only over 9p) with
-# --ignored. Prints SOFTROCE PASS and exits 0 only if every test of both
+# and runs the test binaries (built here, shared read-only over 9p) with
+# --ignored. Prints SOFTROCE PASS and exits 0 only if every test of each
 # passed.
 #
 # Needs (apt): qemu-system-x86 busybox-static kmod cpio rdma-core
@@ -53,10 +56,17 @@ bin=$(test_binary pagewire-rdma verbs)
 [ -x "$bin" ] || { say "could not find the verbs test binary"; exit 1; }
 remote_bin=$(test_binary pagewire-node remote_verbs)
 [ -x "$remote_bin" ] || { say "could not find the remote_verbs test binary"; exit 1; }
+start_bin=$(test_binary pagewire-node verbs_start)
+[ -x "$start_bin" ] || { say "could not find the verbs_start test binary"; exit 1; }
+# The node binary those tests start, built with verbs by the line above.
+node_bin=$target/debug/pagewire-node
+[ -x "$node_bin" ] || { say "no $node_bin"; exit 1; }
 share=$work/share
 rm -rf "$share"; mkdir -p "$share"
 cp "$bin" "$share/verbs-tests"
 cp "$remote_bin" "$share/remote-verbs-tests"
+cp "$start_bin" "$share/verbs-start-tests"
+cp "$node_bin" "$share/pagewire-node"
 
 # 2. The kernel, unpacked, never installed.
 . "$repo/rdma/scripts/softroce-lib.sh"
@@ -66,7 +76,7 @@ softroce_kernel
 say "building the initramfs"
 root=$work/initramfs
 softroce_initramfs_base sh mount ip sleep cat echo poweroff insmod mkdir ls uname dmesg grep seq \
-    -- "$bin" "$remote_bin"
+    -- "$bin" "$remote_bin" "$start_bin" "$node_bin"
 cat > "$root/init" <<'INIT'
 #!/bin/sh
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
@@ -92,6 +102,9 @@ export PAGEWIRE_RDMA_DEVICE=rxe0 RUST_BACKTRACE=1
 echo "softroce-vm: running the verbs conformance suite"
 /mnt/host/verbs-tests --ignored --test-threads=1 $(cat /test-args)
 echo "SOFTROCE-RESULT verbs rc=$?"
+echo "softroce-vm: a node refuses to start on a GID index or a device that does not exist"
+PAGEWIRE_NODE_BIN=/mnt/host/pagewire-node /mnt/host/verbs-start-tests --ignored --test-threads=1
+echo "SOFTROCE-RESULT start rc=$?"
 secs=$(cat /remote-secs)
 if [ "$secs" != 0 ]; then
     echo "softroce-vm: running the remote-read test over verbs (${secs} s)"
@@ -127,7 +140,7 @@ fi
 clean=$work/console.clean
 tr -d '\r' < "$log" > "$clean"
 results=$(grep -c '^SOFTROCE-RESULT ' "$clean" || true)
-expected=2; [ "$remote_secs" = 0 ] && expected=1
+expected=3; [ "$remote_secs" = 0 ] && expected=2
 if [ "$results" = "$expected" ] && ! grep '^SOFTROCE-RESULT ' "$clean" | grep -qv ' rc=0$' \
     && [ "$(grep -c '^test result: ok\.' "$clean")" = "$expected" ] && ! grep -q ' 0 passed' "$clean" \
     && { [ "$remote_secs" = 0 ] || grep -q 'remote over verbs (' "$clean"; }; then

@@ -3,7 +3,9 @@
 //! serving gRPC `Read`) over the bench's file, every page warmed.
 //!
 //! The binaries are looked up next to `pagewire-bench` (same target
-//! directory) unless `--bin-dir` names another folder.
+//! directory) unless `--bin-dir` names another folder; with neither there,
+//! this executable's own hidden `coordinator` and `node` commands (the same
+//! code) serve.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -101,15 +103,26 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Where `pagewire-node` and `pagewire-coordinator` are: `bin_dir`, or the
-/// folder of this executable. `None` when either is missing.
-pub fn binaries(bin_dir: Option<&Path>) -> Option<(PathBuf, PathBuf)> {
+/// A program and the arguments that come before its own.
+pub type Program = (PathBuf, Vec<&'static str>);
+
+/// How to run `pagewire-coordinator` and `pagewire-node`: from `bin_dir`,
+/// else from the folder of this executable, else as this executable's
+/// hidden `coordinator` and `node` commands. `None` only when `bin_dir`
+/// lacks either.
+pub fn binaries(bin_dir: Option<&Path>) -> Option<(Program, Program)> {
+    let exe = std::env::current_exe().ok()?;
     let dir = match bin_dir {
         Some(d) => d.to_owned(),
-        None => std::env::current_exe().ok()?.parent()?.to_owned(),
+        None => exe.parent()?.to_owned(),
     };
     let (c, n) = (dir.join("pagewire-coordinator"), dir.join("pagewire-node"));
-    (c.exists() && n.exists()).then_some((c, n))
+    if c.exists() && n.exists() {
+        return Some(((c, Vec::new()), (n, Vec::new())));
+    }
+    bin_dir
+        .is_none()
+        .then(|| ((exe.clone(), vec!["coordinator"]), (exe, vec!["node"])))
 }
 
 pub fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -128,7 +141,7 @@ impl Cluster {
     /// (in `dir`, which also receives the logs), waits until the node owns
     /// every extent, warms every page and asks the node for its transports.
     pub fn start(
-        (coordinator_bin, node_bin): (PathBuf, PathBuf),
+        (coordinator_bin, node_bin): (Program, Program),
         dir: &Path,
         file: &Path,
         pages: u64,
@@ -146,7 +159,8 @@ impl Cluster {
         };
         let ip = on.ip.clone();
         let coordinator = on
-            .command(&coordinator_bin)
+            .command(&coordinator_bin.0)
+            .args(&coordinator_bin.1)
             .arg("--listen")
             .arg(format!("{ip}:{port}"))
             .args(["--metrics-listen", ""])
@@ -162,7 +176,8 @@ impl Cluster {
             .stderr(std::fs::File::create(dir.join("coordinator.log"))?)
             .spawn()
             .context("starting pagewire-coordinator")?;
-        let mut node = on.command(&node_bin);
+        let mut node = on.command(&node_bin.0);
+        node.args(&node_bin.1);
         if on.verbs {
             node.arg("--verbs");
         }
