@@ -257,6 +257,11 @@ impl<C: Connection> RemoteReader<C> {
         self.locations.remove(&page);
     }
 
+    /// Where the index cache says `page` is: `(frame, generation)`.
+    pub fn location(&self, page: u64) -> Option<(u32, u64)> {
+        self.locations.get(&page).copied()
+    }
+
     /// Tell the index cache where the owner put `page` (the reply of a
     /// fault-in): the next read of it is one round trip.
     pub fn learn(&mut self, page: u64, frame: u32, generation: u64) {

@@ -233,10 +233,6 @@ pub fn key(p: u64) -> String {
 }
 
 impl Redis {
-    pub fn connect(port: u16) -> anyhow::Result<Self> {
-        Self::connect_to(&format!("{}:{port}", Ipv4Addr::LOCALHOST))
-    }
-
     /// Connects to `host:port`.
     pub fn connect_to(addr: &str) -> anyhow::Result<Self> {
         let w =
@@ -481,6 +477,74 @@ impl Client for RawTcp {
             self.own.round_trips += 1;
             let mut c = self.own;
             verify(p, &self.resp, &mut c);
+            self.own = c;
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> Counters {
+        self.own
+    }
+}
+
+/// The floor of a one-sided page read on a transport: one READ of the
+/// page's frame bytes alone, at the frame a primed reader's index cache
+/// names (no header READ, no checksum, no retry), verified against the
+/// self-describing pattern like every other path (nothing in this bench
+/// evicts or writes, so the frame still holds its page). Beside the
+/// one-sided rows it shows what the protocol (a header READ under the same
+/// doorbell, the checksum) costs over one bare READ of 4 KiB.
+pub struct FrameOnly<C: Connection> {
+    conn: C,
+    desc: pagewire_rdma::RegionDescriptor,
+    /// Region offset of each page's frame.
+    frames: Vec<u64>,
+    buf: Vec<u8>,
+    own: Counters,
+}
+
+impl<C: Connection> FrameOnly<C> {
+    /// `reader` must have read every page (`prime`): its index cache gives
+    /// the frames. `conn` reads them.
+    pub fn new<R: Connection>(
+        reader: &RemoteReader<R>,
+        conn: C,
+        desc: pagewire_rdma::RegionDescriptor,
+        pages: u64,
+    ) -> anyhow::Result<Self> {
+        let layout = reader.superblock().layout;
+        let frames = (0..pages)
+            .map(|p| {
+                reader
+                    .location(p)
+                    .map(|(f, _)| layout.frame(f as usize) as u64)
+                    .with_context(|| format!("page {p} was not primed"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self {
+            conn,
+            desc,
+            frames,
+            buf: vec![0u8; layout.page_size],
+            own: Counters::default(),
+        })
+    }
+}
+
+impl<C: Connection> Client for FrameOnly<C> {
+    fn op(&mut self, first: u64, run: usize) -> anyhow::Result<()> {
+        for p in first..first + run as u64 {
+            let off = self.frames[p as usize];
+            let r = pagewire_rdma::read_blocking(
+                &mut self.conn,
+                self.desc,
+                &mut [(off, &mut self.buf[..])],
+            )?;
+            r[0].clone()
+                .map_err(|e| anyhow::anyhow!("READ of page {p}'s frame: {e}"))?;
+            self.own.round_trips += 1;
+            let mut c = self.own;
+            verify(p, &self.buf[..PAGE], &mut c);
             self.own = c;
         }
         Ok(())
