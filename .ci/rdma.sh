@@ -9,9 +9,16 @@
 #    pagewire-node with `verbs` (its remote-read test over verbs);
 # 3. runs the rdma tests (tcp and shm conformance; the verbs tests are
 #    ignored here: no RDMA in this kernel);
-# 4. runs, inside a soft-RoCE VM, the verbs conformance suite and the node's
+# 4. runs, inside a soft-RoCE VM, the verbs conformance suite (own and
+#    shared queue pairs), the node's refusals to start, and the node's
 #    remote-read test over verbs (node/tests/remote_verbs.rs, 3 s of reads);
-# 5. smoke-runs `pagewire-bench transport --quick`.
+# 5. runs a cluster of soft-RoCE VMs (rdma/scripts/softroce-cluster.sh): a
+#    coordinator VM and 3 node VMs; the storm over verbs with kill -9,
+#    restart, SIGSTOP past the lease and a link cut (0 wrong, 0 stale, every
+#    event recovered, reads over verbs, asserted from its JSON), then
+#    `pagewire-bench remote` between two VMs (verbs, tcp, gRPC, Redis,
+#    perftest; 0 wrong);
+# 6. smoke-runs `pagewire-bench transport --quick`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,10 +28,10 @@ step "installing packages"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q \
-    clang libclang-dev cmake pkg-config \
+    clang libclang-dev cmake pkg-config libhwloc-dev libudev-dev \
     libibverbs-dev librdmacm-dev rdma-core ibverbs-providers \
     qemu-system-x86 busybox-static kmod cpio iproute2 \
-    redis-server >/dev/null
+    ibverbs-utils perftest redis-server redis-tools python3 binutils util-linux >/dev/null
 
 step "fmt"
 cargo fmt --all --check
@@ -32,7 +39,7 @@ cargo fmt --all --check
 step "clippy (pagewire-rdma, all features; pagewire-node with verbs; pagewire-bench)"
 cargo clippy -p pagewire-rdma --all-targets --all-features -- -D warnings
 cargo clippy -p pagewire-node --all-targets --features verbs -- -D warnings
-cargo clippy -p pagewire-bench --all-targets -- -D warnings
+cargo clippy -p pagewire-bench --all-targets --features verbs -- -D warnings
 
 step "tests (pagewire-rdma, all features)"
 if cargo nextest --version >/dev/null 2>&1; then
@@ -44,7 +51,12 @@ fi
 step "verbs conformance suite and remote-read test on soft-RoCE"
 bash rdma/scripts/softroce-test.sh
 
+step "the storm over verbs across soft-RoCE VMs, then remote between two of them"
+# Built with the features .ci/run's bench smoke uses, so nothing rebuilds.
+cargo build --release -q -p pagewire-bench --features numa,verbs
+bash rdma/scripts/softroce-cluster.sh --no-build --keep target/softroce-cluster-results
+
 step "pagewire-bench transport --quick"
-cargo run --release -q -p pagewire-bench -- transport --quick
+cargo run --release -q -p pagewire-bench --features numa,verbs -- transport --quick
 
 step "done"
