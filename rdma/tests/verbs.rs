@@ -159,3 +159,35 @@ fn completion_channel_wakes_a_sleeper() {
         }
     });
 }
+
+/// An owner at its queue-pair cap refuses the next reader with an error
+/// naming the cap, counts it, and takes a reader again once one left.
+#[test]
+#[ignore = "needs an RDMA device: run rdma/scripts/softroce-test.sh"]
+fn readers_past_the_queue_pair_cap_are_refused() {
+    conformance::bounded(60, || {
+        let mut config = VerbsConfig::new(TOKEN);
+        config.max_queue_pairs = 1;
+        let owner = VerbsOwner::bind("127.0.0.1:0", config).expect("open the RDMA device");
+        let first =
+            VerbsConnection::connect(owner.local_addr(), VerbsConfig::new(TOKEN)).expect("first");
+        assert_eq!(owner.queue_pairs(), 1);
+        let e = VerbsConnection::connect(owner.local_addr(), VerbsConfig::new(TOKEN));
+        match e {
+            Err(pagewire_rdma::ConnectError::Refused(why)) => {
+                assert!(why.contains("(1)") && why.contains("verbs_max_queue_pairs"), "{why}");
+            }
+            other => panic!("expected a refusal: {:?}", other.err()),
+        }
+        assert_eq!(owner.refused(), 1);
+        drop(first);
+        // The owner notices the control channel closing.
+        let t0 = std::time::Instant::now();
+        while owner.queue_pairs() > 0 {
+            assert!(t0.elapsed().as_secs() < 30, "the place was never given back");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        VerbsConnection::connect(owner.local_addr(), VerbsConfig::new(TOKEN))
+            .expect("a place is free again");
+    });
+}
