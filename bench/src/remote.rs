@@ -496,8 +496,8 @@ fn verbs_clients(
 }
 
 /// perftest's 4 KiB READ latency and bandwidth on the RDMA link between
-/// this machine and the owner's: the server on the owner's machine, the
-/// client here. Rows `perftest`/`ib_read_lat` (p50 = t_typical, p99 = its
+/// this machine and the owner's (one run of each): the server on the
+/// owner's machine, the client here. Rows `perftest`/`ib_read_lat` (p50 = t_typical, p99 = its
 /// 99 % percentile, ops/s = 1/t_avg) and `perftest`/`ib_read_bw`
 /// (ops/s = its message rate; no latency).
 fn perftest_rows(
@@ -1065,7 +1065,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .iter()
         .map(|g| g.runs.iter().map(|_| Vec::new()).collect())
         .collect();
+    let mut perftest_runs = Vec::new();
     for _ in 0..runs {
+        if want("perftest") {
+            perftest_runs.push(perftest_rows(
+                &placement,
+                &a.rdma_device,
+                a.perftest_iters,
+                &mut skipped,
+            )?);
+        }
         for (g, per_run) in groups.iter_mut().zip(&mut samples) {
             for (run, ss) in g.runs.clone().into_iter().zip(per_run.iter_mut()) {
                 let s = measure(g, run, pages, secs).with_context(|| {
@@ -1111,12 +1120,25 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     drop(groups);
     if want("perftest") {
-        rows.extend(perftest_rows(
-            &placement,
-            &a.rdma_device,
-            a.perftest_iters,
-            &mut skipped,
-        )?);
+        // One perftest run per repeat, interleaved with the rows above
+        // (drift hits it alike); the medians go in the table.
+        let mut by_tool: Vec<Vec<Row>> = Vec::new();
+        for r in perftest_runs {
+            for (k, row) in r.into_iter().enumerate() {
+                if by_tool.len() <= k {
+                    by_tool.push(Vec::new());
+                }
+                by_tool[k].push(row);
+            }
+        }
+        for rs in by_tool {
+            let mut row = rs[0].clone();
+            row.ops_per_sec = median(rs.iter().map(|r| r.ops_per_sec).collect());
+            row.p50_us = median(rs.iter().map(|r| r.p50_us).collect());
+            row.p99_us = median(rs.iter().map(|r| r.p99_us).collect());
+            row.repeats_ops_per_sec = rs.iter().map(|r| r.ops_per_sec).collect();
+            rows.push(row);
+        }
     }
 
     let targets = targets(&rows);
