@@ -13,6 +13,8 @@
 //! from serving as the other side's. The token never crosses the wire.
 
 use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -102,4 +104,26 @@ pub(crate) fn server<S: Read + Write>(
         .is_ok();
     s.write_all(&[u8::from(!ok)])?;
     Ok(ok)
+}
+
+/// Connects to the first address `addr` resolves to that answers within
+/// `limit` each (at least 1 ms): the control channel of `tcp` and `verbs`.
+pub(crate) fn connect_stream(
+    addr: impl ToSocketAddrs,
+    limit: Duration,
+) -> std::io::Result<TcpStream> {
+    let limit = limit.max(Duration::from_millis(1));
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&a, limit) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the address resolved to nothing",
+        )
+    }))
 }

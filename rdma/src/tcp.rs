@@ -647,25 +647,7 @@ impl TcpConnection {
         config: ConnectionConfig,
     ) -> Result<Self, ConnectError> {
         let limit = config.connect_timeout.max(Duration::from_millis(1));
-        let mut last = None;
-        let mut stream = None;
-        for a in addr.to_socket_addrs()? {
-            match TcpStream::connect_timeout(&a, limit) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let mut stream = stream.ok_or_else(|| {
-            last.unwrap_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "the address resolved to nothing",
-                )
-            })
-        })?;
+        let mut stream = handshake::connect_stream(addr, limit)?;
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(limit))?;
         stream.set_write_timeout(Some(limit))?;

@@ -175,7 +175,10 @@ fn readers_past_the_queue_pair_cap_are_refused() {
         let e = VerbsConnection::connect(owner.local_addr(), VerbsConfig::new(TOKEN));
         match e {
             Err(pagewire_rdma::ConnectError::Refused(why)) => {
-                assert!(why.contains("(1)") && why.contains("verbs_max_queue_pairs"), "{why}");
+                assert!(
+                    why.contains("(1)") && why.contains("verbs_max_queue_pairs"),
+                    "{why}"
+                );
             }
             other => panic!("expected a refusal: {:?}", other.err()),
         }
@@ -184,7 +187,10 @@ fn readers_past_the_queue_pair_cap_are_refused() {
         // The owner notices the control channel closing.
         let t0 = std::time::Instant::now();
         while owner.queue_pairs() > 0 {
-            assert!(t0.elapsed().as_secs() < 30, "the place was never given back");
+            assert!(
+                t0.elapsed().as_secs() < 30,
+                "the place was never given back"
+            );
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         VerbsConnection::connect(owner.local_addr(), VerbsConfig::new(TOKEN))

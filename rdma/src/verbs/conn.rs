@@ -89,20 +89,7 @@ impl VerbsConnection {
     pub fn connect(addr: impl ToSocketAddrs, config: VerbsConfig) -> Result<Self, ConnectError> {
         let nic = open_nic(&config).map_err(ConnectError::Device)?;
         let limit = config.connect_timeout.max(Duration::from_millis(1));
-        let mut last = None;
-        let mut ctrl = None;
-        for a in addr.to_socket_addrs()? {
-            match TcpStream::connect_timeout(&a, limit) {
-                Ok(s) => {
-                    ctrl = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let mut ctrl = ctrl.ok_or_else(|| {
-            last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
-        })?;
+        let mut ctrl = handshake::connect_stream(addr, limit)?;
         ctrl.set_nodelay(true)?;
         ctrl.set_read_timeout(Some(limit))?;
         ctrl.set_write_timeout(Some(limit))?;
