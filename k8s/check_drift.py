@@ -34,7 +34,11 @@ and checks, each printed as OK or FAIL:
     node.toml but for the verbs_* keys, with verbs = true and the GID chosen
     at start (verbs_gid_index = -1, verbs_device empty), its verbs_listen
     port in the node container and the NetworkPolicy, the node container
-    otherwise the tcp one's, no IPC_LOCK; roce's gid-check reads that same
+    otherwise the tcp one's field for field but for what NODE_DIFFERENCES
+    below allows (soft-roce: privileged, to open the rxe device; roce: the
+    RDMA shared device plugin's resource), no added capability, the pod's
+    securityContext and host namespaces the tcp pod's, no privileged
+    container but the ones allowed; roce's gid-check reads that same
     node.toml and pins nothing of its own;
   * the image: the Dockerfile and k8s/image/build.sh build with the same
     cargo features, pagewire-node/verbs among them, and the runtime image
@@ -306,6 +310,33 @@ VERBS_CONFIG = K8S / "components" / "verbs" / "node.toml"
 VERBS_PACKAGES = ("libibverbs1", "ibverbs-providers")
 VERBS_FEATURE = "pagewire-node/verbs"
 
+# How each RDMA overlay's node container may differ from the tcp overlay's,
+# beyond the verbs port (checked on its own). Anything else is drift.
+#   securityContext: keys set to these values, and keys removed.
+#   resources: extended resources added to requests and limits.
+#   privileged: the containers of the pod that may be privileged.
+# soft-roce: the rxe device's /dev/infiniband/uverbsN is created by the
+# rxe-setup init container after the kubelet has allocated the pod's
+# devices, so only a privileged container (whose /dev the runtime fills
+# with the host's devices when it creates it, after the init containers)
+# can open it; the API refuses allowPrivilegeEscalation: false beside
+# privileged, so that key goes (k8s/overlays/soft-roce/node-devices.yaml,
+# k8s/README.md "soft-RoCE"). Still uid 10001, non-root, read-only root,
+# no added capability.
+# roce: the RDMA shared device plugin grants the device; nothing else.
+NODE_DIFFERENCES = {
+    "soft-roce": {
+        "securityContext": ({"privileged": True}, ("allowPrivilegeEscalation",)),
+        "resources": {},
+        "privileged": {"rxe-setup", "node"},
+    },
+    "roce": {
+        "securityContext": ({}, ()),
+        "resources": {"rdma/rdma_shared_device_a": "1"},
+        "privileged": set(),
+    },
+}
+
 
 def config_map(objs) -> dict | None:
     cms = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("pagewire-config")]
@@ -415,19 +446,69 @@ def check_verbs(tcp_objs, rdma: dict[str, list[dict]], base_toml: dict, node_por
         )
         others = [p for p in node.get("ports", []) if p.get("name") != "verbs"]
         check(f"{name}: the other node ports are the tcp overlay's", others == tcp_node.get("ports", []))
-        for field in ("command", "args", "env", "readinessProbe", "livenessProbe", "lifecycle", "image"):
-            check(
-                f"{name}: node {field} is the tcp overlay's",
-                node.get(field) == tcp_node.get(field),
-                f"{node.get(field)!r} vs {tcp_node.get(field)!r}",
-            )
+        allowed = NODE_DIFFERENCES[name]
+        rest = sorted(
+            k
+            for k in (set(node) | set(tcp_node)) - {"ports", "securityContext", "resources"}
+            if node.get(k) != tcp_node.get(k)
+        )
+        check(
+            f"{name}: node container is the tcp overlay's field for field (command, env, probes, "
+            "lifecycle, image, mounts, ...) but for ports, securityContext and resources",
+            not rest,
+            "differs in " + ", ".join(f"{k}: {node.get(k)!r} vs {tcp_node.get(k)!r}" for k in rest),
+        )
+        set_sc, removed_sc = allowed["securityContext"]
+        want_sc = {k: v for k, v in tcp_node.get("securityContext", {}).items() if k not in removed_sc}
+        want_sc.update(set_sc)
         sc = node.get("securityContext", {})
+        what = ", ".join([f"{k}: {json.dumps(v)}" for k, v in set_sc.items()] + [f"no {k}" for k in removed_sc])
+        check(
+            f"{name}: node securityContext is the tcp overlay's" + (f" but for {what}" if what else ""),
+            sc == want_sc,
+            f"{sc!r} vs the wanted {want_sc!r}",
+        )
         added = (sc.get("capabilities") or {}).get("add") or []
         check(
-            f"{name}: node runs as uid 10001 with no added capability (IPC_LOCK would not reach a non-root process)",
+            f"{name}: node runs as uid 10001, non-root, with no added capability (IPC_LOCK would not reach a non-root process)",
             sc.get("runAsUser") == 10001 and sc.get("runAsNonRoot") is True and not added,
-            f"runAsUser {sc.get('runAsUser')}, add {added}",
+            f"runAsUser {sc.get('runAsUser')}, runAsNonRoot {sc.get('runAsNonRoot')}, add {added}",
         )
+        res, tcp_res = node.get("resources", {}), tcp_node.get("resources", {})
+        want_res = dict(tcp_res)
+        if allowed["resources"]:
+            for part in ("requests", "limits"):
+                want_res[part] = {**tcp_res.get(part, {}), **allowed["resources"]}
+        check(
+            f"{name}: node resources are the tcp overlay's"
+            + (f" plus {allowed['resources']} (requests and limits)" if allowed["resources"] else ""),
+            res == want_res,
+            f"{res!r} vs the wanted {want_res!r}",
+        )
+        pod, tcp_pod = ds["spec"]["template"]["spec"], tcp_ds["spec"]["template"]["spec"]
+        host = ("securityContext", "hostNetwork", "hostPID", "hostIPC", "serviceAccountName", "automountServiceAccountToken")
+        check(
+            f"{name}: the pod's securityContext and host namespaces are the tcp pod's",
+            all(pod.get(k) == tcp_pod.get(k) for k in host),
+            ", ".join(f"{k}: {pod.get(k)!r} vs {tcp_pod.get(k)!r}" for k in host if pod.get(k) != tcp_pod.get(k)),
+        )
+        priv = {
+            c["name"]
+            for c in pod.get("initContainers", []) + pod.get("containers", [])
+            if (c.get("securityContext") or {}).get("privileged")
+        }
+        check(
+            f"{name}: privileged containers are exactly {sorted(allowed['privileged']) or 'none'}",
+            priv == allowed["privileged"],
+            f"privileged: {sorted(priv)}",
+        )
+        if name == "soft-roce":
+            inits = [c["name"] for c in pod.get("initContainers", [])]
+            check(
+                "soft-roce: rxe-setup is an init container (it makes the device before the node container is created)",
+                "rxe-setup" in inits,
+                f"init containers {inits}",
+            )
         pol = policy_ports(objs, "pagewire-internal", name)
         want = tcp_policy | {(verbs_port, "TCP"), (4791, "UDP")}
         check(

@@ -16,7 +16,9 @@
 #    fake sysfs, fake node.toml files and a fake `rdma`;
 # 5. runs k8s/check_drift.py: the tcp rendering against the compose cluster,
 #    the soft-roce and roce renderings against the tcp one (verbs on there,
-#    off in tcp) and the image build against the verbs feature.
+#    off in tcp; the node container the same but for what each overlay must
+#    change: soft-roce's privileged, roce's device resource) and the image
+#    build against the verbs feature.
 # The renderings are left in target/k8s-validate/.
 set -euo pipefail
 
