@@ -24,7 +24,6 @@
 //! harness for machines that exist only for the test, and listens only on
 //! the address it is given (inside the VMs' private network).
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
@@ -94,7 +93,9 @@ fn signal_number(name: &str) -> Option<libc::c_int> {
 pub fn agent(a: &AgentArgs) -> anyhow::Result<()> {
     let l = TcpListener::bind(&a.listen).with_context(|| format!("listening on {}", a.listen))?;
     eprintln!("vm-agent: listening on {}", l.local_addr()?);
-    let pids: Arc<Mutex<HashMap<String, i32>>> = Arc::default();
+    // (name, pid) of every program running, newest last: a name started
+    // again while its old program still dies has two entries.
+    let pids: Arc<Mutex<Vec<(String, i32)>>> = Arc::default();
     for s in l.incoming() {
         let Ok(s) = s else { continue };
         let pids = Arc::clone(&pids);
@@ -107,14 +108,18 @@ pub fn agent(a: &AgentArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(mut s: TcpStream, pids: &Arc<Mutex<HashMap<String, i32>>>) -> anyhow::Result<()> {
+fn serve(mut s: TcpStream, pids: &Arc<Mutex<Vec<(String, i32)>>>) -> anyhow::Result<()> {
     s.set_nodelay(true)?;
     let mut line = String::new();
     BufReader::new(s.try_clone()?).read_line(&mut line)?;
     let req: Request = serde_json::from_str(&line).context("a request line")?;
     if let Some(sig) = &req.signal {
         let table = pids.lock().unwrap_or_else(|e| e.into_inner());
-        let pid = table.get(&req.name).copied();
+        let pid = table
+            .iter()
+            .rev()
+            .find(|(n, _)| *n == req.name)
+            .map(|&(_, p)| p);
         let reply = match (pid, signal_number(sig)) {
             (_, None) => format!("error: unknown signal {sig:?}\n"),
             (None, _) => format!("error: nothing runs under {:?}\n", req.name),
@@ -154,7 +159,7 @@ fn serve(mut s: TcpStream, pids: &Arc<Mutex<HashMap<String, i32>>>) -> anyhow::R
     let pid = child.id() as i32;
     pids.lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(req.name.clone(), pid);
+        .push((req.name.clone(), pid));
     // The lifeline: the client sends nothing more, so a read returns only
     // when the connection closes; then the program dies. Every kill(2)
     // here and in the signal path happens under the table's lock while the
@@ -167,7 +172,7 @@ fn serve(mut s: TcpStream, pids: &Arc<Mutex<HashMap<String, i32>>>) -> anyhow::R
         let mut b = [0u8; 64];
         while matches!(watch.read(&mut b), Ok(n) if n > 0) {}
         let t = table.lock().unwrap_or_else(|e| e.into_inner());
-        if t.values().any(|&p| p == pid) {
+        if t.iter().any(|&(_, p)| p == pid) {
             // SAFETY: kill(2) on our child, not yet reaped (it is in the
             // table, which it leaves before it is reaped).
             unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -188,7 +193,7 @@ fn serve(mut s: TcpStream, pids: &Arc<Mutex<HashMap<String, i32>>>) -> anyhow::R
     }
     pids.lock()
         .unwrap_or_else(|e| e.into_inner())
-        .retain(|_, p| *p != pid);
+        .retain(|&(_, p)| p != pid);
     let status = child.wait()?;
     let code = status
         .code()
