@@ -48,7 +48,7 @@ else
     cargo test -p pagewire-rdma --all-features
 fi
 
-step "verbs conformance suite and remote-read test on soft-RoCE"
+step "verbs conformance suite (own and shared queue pairs), the node's start refusals and the remote-read test on soft-RoCE"
 bash rdma/scripts/softroce-test.sh
 
 step "the storm over verbs across soft-RoCE VMs, then remote between two of them"
