@@ -70,6 +70,18 @@ impl<C: Connection> Shared<C> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Takes what the inner connection completed (waiting up to `wait`
+    /// for something when it is not zero) and files it into the handles'
+    /// queues.
+    fn pump(&self, inner: &mut Inner<C>, wait: Duration) {
+        if wait.is_zero() {
+            inner.conn.poll(&mut inner.scratch);
+        } else {
+            inner.conn.wait(&mut inner.scratch, wait);
+        }
+        self.file(inner);
+    }
+
     /// Files the completions in `inner.scratch` into their handles' queues.
     fn file(&self, inner: &mut Inner<C>) {
         let Inner {
@@ -193,10 +205,7 @@ impl<C: Connection> SharedHandle<C> {
     /// Polls the inner connection (filing what arrived) and moves this
     /// handle's completions to `out`, with the caller's ids.
     fn collect(&mut self, inner: &mut Inner<C>, out: &mut Vec<Completion>) -> usize {
-        let mut scratch = std::mem::take(&mut inner.scratch);
-        inner.conn.poll(&mut scratch);
-        inner.scratch = scratch;
-        self.shared.file(inner);
+        self.shared.pump(inner, Duration::ZERO);
         self.take(inner, out)
     }
 
@@ -274,10 +283,7 @@ unsafe impl<C: Connection> Connection for SharedHandle<C> {
                 Err(PostError::QueueFull { .. }) if start.elapsed() < ROOM_WAIT => {
                     // Other threads' READs fill the connection: make room by
                     // polling (filing theirs), then try again.
-                    let mut scratch = std::mem::take(&mut inner.scratch);
-                    inner.conn.poll(&mut scratch);
-                    inner.scratch = scratch;
-                    shared.file(&mut inner);
+                    shared.pump(&mut inner, Duration::ZERO);
                     drop(inner);
                     std::thread::yield_now();
                 }
@@ -325,10 +331,7 @@ unsafe impl<C: Connection> Connection for SharedHandle<C> {
                 if left.is_zero() {
                     return 0;
                 }
-                let mut scratch = std::mem::take(&mut inner.scratch);
-                inner.conn.wait(&mut scratch, left.min(WAIT_SLICE));
-                inner.scratch = scratch;
-                shared.file(&mut inner);
+                shared.pump(&mut inner, left.min(WAIT_SLICE));
                 let n = self.take(&mut inner, out);
                 if n > 0 {
                     return n;
