@@ -113,8 +113,6 @@ mod follower;
 pub(crate) mod owner;
 
 pub use follower::{FollowerConfig, MapFollower, trust_window};
-#[cfg(feature = "verbs")]
-pub use owner::verbs::{ACK_TIMEOUT_ENV as VERBS_ACK_TIMEOUT_ENV, RETRY_ENV as VERBS_RETRY_ENV};
 pub use owner::{Transport, TransportChoice};
 
 use std::collections::{HashMap, HashSet};

@@ -65,18 +65,6 @@ pub enum Transport {
     Tcp,
 }
 
-impl Transport {
-    /// Its name in descriptors and reports.
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Shm => "shm",
-            Transport::Verbs => "verbs",
-            Transport::Tcp => "tcp",
-        }
-    }
-}
-
 /// A one-sided reader over one of the transports.
 pub(crate) enum Reader {
     Shm(RemoteReader<ShmConnection>),
@@ -323,7 +311,6 @@ pub(crate) async fn node_client(
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs {
     use std::collections::HashMap;
-    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Mutex, OnceLock};
 
     use pagewire_proto::v1::MapNode;
@@ -349,12 +336,6 @@ pub(crate) mod verbs {
     /// known: then `auto` goes straight to tcp.
     static UNUSABLE: OnceLock<String> = OnceLock::new();
 
-    /// Environment variables that tune a reader's queue pairs (for slow
-    /// links such as soft-RoCE under an emulated CPU): the ACK timeout
-    /// exponent (4.096 µs × 2^n) and the transport retry count.
-    pub const ACK_TIMEOUT_ENV: &str = "PAGEWIRE_VERBS_ACK_TIMEOUT";
-    pub const RETRY_ENV: &str = "PAGEWIRE_VERBS_RETRY";
-
     fn config(how: &ConnectHow<'_>) -> VerbsConfig {
         let mut c = VerbsConfig::new(how.token.as_bytes().to_vec());
         // Header + page, a bucket or a run: 64 KiB READs, 32 in flight. The
@@ -364,14 +345,7 @@ pub(crate) mod verbs {
         c.max_read_len = 64 << 10;
         c.op_timeout = how.tcp.op_timeout;
         c.connect_timeout = how.tcp.connect_timeout;
-        let env_u8 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u8>().ok());
-        if let Some(v) = env_u8(ACK_TIMEOUT_ENV) {
-            c.ack_timeout = v.min(31);
-        }
-        if let Some(v) = env_u8(RETRY_ENV) {
-            c.retry_count = v.min(7);
-        }
-        c
+        c.with_link_tuning_from_env()
     }
 
     /// A handle on the process's connection to `endpoint` at `epoch`,
@@ -412,9 +386,8 @@ pub(crate) mod verbs {
             Ok(h) => h,
             Err(ConnectError::Device(e)) => {
                 let why = format!("no usable RDMA device in this process: {e}");
-                let _ = UNUSABLE.set(why.clone());
-                static SAID: AtomicBool = AtomicBool::new(false);
-                if !SAID.swap(true, Ordering::Relaxed) {
+                // The first thread to find out says so.
+                if UNUSABLE.set(why.clone()).is_ok() {
                     tracing::warn!(
                         reason = %why,
                         "verbs: this process cannot read over RDMA; reading over tcp instead"

@@ -72,6 +72,14 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// first device when unset.
 pub const DEVICE_ENV: &str = "PAGEWIRE_RDMA_DEVICE";
 
+/// Environment variables that tune a reader's queue pairs for slow links
+/// (soft-RoCE under an emulated CPU), read by
+/// [`VerbsConfig::with_link_tuning_from_env`]: the local ACK timeout
+/// exponent (4.096 µs × 2^n) and the transport retry count.
+pub const ACK_TIMEOUT_ENV: &str = "PAGEWIRE_VERBS_ACK_TIMEOUT";
+/// See [`ACK_TIMEOUT_ENV`].
+pub const RETRY_ENV: &str = "PAGEWIRE_VERBS_RETRY";
+
 /// Settings of a [`VerbsOwner`] or a [`VerbsConnection`].
 #[derive(Debug, Clone)]
 pub struct VerbsConfig {
@@ -107,6 +115,21 @@ pub struct VerbsConfig {
 }
 
 impl VerbsConfig {
+    /// This config with `ack_timeout` and `retry_count` taken from
+    /// [`ACK_TIMEOUT_ENV`] and [`RETRY_ENV`] where they are set (clamped to
+    /// 31 and 7, what the queue pair takes).
+    #[must_use]
+    pub fn with_link_tuning_from_env(mut self) -> Self {
+        let env_u8 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u8>().ok());
+        if let Some(v) = env_u8(ACK_TIMEOUT_ENV) {
+            self.ack_timeout = v.min(31);
+        }
+        if let Some(v) = env_u8(RETRY_ENV) {
+            self.retry_count = v.min(7);
+        }
+        self
+    }
+
     /// Defaults: device from [`DEVICE_ENV`], port 1, 128 READs of up to 64 KiB
     /// in flight, ~67 ms ACK timeout with 3 retries, 5 s operation timeout,
     /// at most 1024 readers per owner.
