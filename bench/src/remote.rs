@@ -406,15 +406,8 @@ fn verbs_clients(
     // doorbell.
     cfg.max_outstanding = 64;
     cfg.max_read_len = 64 << 10;
-    let env_u8 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u8>().ok());
-    if let Some(v) = env_u8(pagewire_node::client::VERBS_ACK_TIMEOUT_ENV) {
-        cfg.ack_timeout = v.min(31);
-    }
-    if let Some(v) = env_u8(pagewire_node::client::VERBS_RETRY_ENV) {
-        cfg.retry_count = v.min(7);
-    }
     let shared = SharedConnection::new(
-        VerbsConnection::connect(endpoint.as_str(), cfg)
+        VerbsConnection::connect(endpoint.as_str(), cfg.with_link_tuning_from_env())
             .with_context(|| format!("verbs connection to {endpoint}"))?,
     );
     let mut v: Vec<Box<dyn Client>> = Vec::new();
@@ -850,14 +843,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             },
         )
     });
+    // What the daemon's Transports named, for the refusals below.
+    let kinds = cluster.as_ref().map(|c| {
+        c.transports
+            .iter()
+            .map(|t| t.kind.clone())
+            .collect::<Vec<_>>()
+    });
     if want("verbs") && from_daemon.as_ref().is_none_or(|t| t.verbs.is_none()) {
         bail!(
-            "--paths verbs: the daemon publishes no verbs region (its Transports: {:?}; see its log in the work folder)",
-            cluster.as_ref().map(|c| c
-                .transports
-                .iter()
-                .map(|t| t.kind.clone())
-                .collect::<Vec<_>>())
+            "--paths verbs: the daemon publishes no verbs region (its Transports: {kinds:?}; see its log in the work folder)"
         );
     }
     let _shm_dir;
@@ -874,14 +869,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         );
         Some(t)
     } else if a.owner == "daemon" {
-        bail!(
-            "--owner daemon: the daemon's Transports names no shm and tcp regions ({:?})",
-            cluster.as_ref().map(|c| c
-                .transports
-                .iter()
-                .map(|t| t.kind.clone())
-                .collect::<Vec<_>>())
-        );
+        bail!("--owner daemon: the daemon's Transports names no shm and tcp regions ({kinds:?})");
     } else {
         _shm_dir = shm_tempdir()?;
         let o = owner::OwnerProcess::start(

@@ -124,11 +124,7 @@ pub(crate) fn open(
     cache.set_epoch(epoch);
     let mut tcp = None;
     if t.tcp {
-        let listen = if t.tcp_listen.is_empty() {
-            format!("{}:0", host_of(&cfg.listen))
-        } else {
-            t.tcp_listen.clone()
-        };
+        let listen = listen_addr(cfg, &t.tcp_listen);
         let mut rc = ResponderConfig::new(token.as_bytes().to_vec());
         rc.epoch = Some(epoch);
         rc.spin = std::time::Duration::from_micros(t.tcp_spin_us);
@@ -174,6 +170,16 @@ fn region_of(cache: &Arc<PageCache>) -> Result<(std::ptr::NonNull<u8>, usize), D
     Ok((ptr, r.len))
 }
 
+/// Where a transport listens: `explicit` if set, else the host of
+/// `listen`, any port.
+fn listen_addr(cfg: &Config, explicit: &str) -> String {
+    if explicit.is_empty() {
+        format!("{}:0", host_of(&cfg.listen))
+    } else {
+        explicit.to_owned()
+    }
+}
+
 /// The advertised `host:port` of a transport listening on `bound` port:
 /// `explicit` if set, else the host of `advertise` (or `listen`).
 fn advertised(cfg: &Config, explicit: &str, port: u16) -> String {
@@ -199,7 +205,9 @@ mod verbs {
     use pagewire_rdma::verbs::{VerbsConfig, VerbsOwner, VerbsRegion, check_memlock};
 
     use super::super::gid;
-    use super::{Config, DaemonError, PageCache, advertised, cfg_err, host_of, region_of};
+    use super::{
+        Config, DaemonError, PageCache, advertised, cfg_err, host_of, listen_addr, region_of,
+    };
 
     /// Field order: the registration goes before its owner.
     pub(crate) struct Served {
@@ -300,11 +308,7 @@ mod verbs {
         vc.gid_index = Some(choice.index);
         vc.epoch = Some(epoch);
         vc.max_queue_pairs = t.verbs_max_queue_pairs;
-        let listen = if t.verbs_listen.is_empty() {
-            format!("{}:0", host_of(&cfg.listen))
-        } else {
-            t.verbs_listen.clone()
-        };
+        let listen = listen_addr(cfg, &t.verbs_listen);
         let owner = VerbsOwner::bind(listen.as_str(), vc)
             .map_err(|e| cfg_err("transports.verbs", format!("{listen}: {e}")))?;
         Ok((owner, choice.gid.octets()))
@@ -358,42 +362,33 @@ fn host_of(addr: &str) -> String {
 impl Served {
     /// The descriptors the node registers and `Transports` returns.
     pub(crate) fn descriptors(&self) -> Vec<TransportDescriptor> {
+        let wire = |kind: &str, endpoint: &str, d: &RegionDescriptor, opaque: Vec<u8>| {
+            TransportDescriptor {
+                kind: kind.into(),
+                endpoint: endpoint.to_owned(),
+                address: d.addr,
+                length: d.len,
+                rkey: u64::from(d.rkey),
+                epoch: d.epoch,
+                opaque,
+            }
+        };
         let mut out = Vec::new();
         if let Some((owner, d, dir)) = &self.shm {
-            out.push(TransportDescriptor {
-                kind: "shm".into(),
-                endpoint: owner.name().to_owned(),
-                address: d.addr,
-                length: d.len,
-                rkey: u64::from(d.rkey),
-                epoch: d.epoch,
-                opaque: dir.to_string_lossy().into_owned().into_bytes(),
-            });
+            let dir = dir.to_string_lossy().into_owned().into_bytes();
+            out.push(wire("shm", owner.name(), d, dir));
         }
         if let Some((region, _, advertise)) = &self.tcp {
-            let d = region.descriptor();
-            out.push(TransportDescriptor {
-                kind: "tcp".into(),
-                endpoint: advertise.clone(),
-                address: d.addr,
-                length: d.len,
-                rkey: u64::from(d.rkey),
-                epoch: d.epoch,
-                opaque: Vec::new(),
-            });
+            out.push(wire("tcp", advertise, &region.descriptor(), Vec::new()));
         }
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
-            let d = v.region.descriptor();
-            out.push(TransportDescriptor {
-                kind: "verbs".into(),
-                endpoint: v.advertise.clone(),
-                address: d.addr,
-                length: d.len,
-                rkey: u64::from(d.rkey),
-                epoch: d.epoch,
-                opaque: v.gid.to_vec(),
-            });
+            out.push(wire(
+                "verbs",
+                &v.advertise,
+                &v.region.descriptor(),
+                v.gid.to_vec(),
+            ));
         }
         out
     }
