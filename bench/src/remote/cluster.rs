@@ -40,14 +40,7 @@ impl Placement {
     /// A command running `program` there; `exec` prefixes name the program
     /// after a `--`-ended prefix, with its name as the vm-exec NAME.
     pub fn command(&self, program: &Path) -> Command {
-        match self.exec.split_first() {
-            None => Command::new(program),
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(program);
-                c
-            }
-        }
+        crate::storm::prefixed(&self.exec, program)
     }
 
     /// The whole machine's busy CPU time there (user, nice, system, irq,

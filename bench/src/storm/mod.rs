@@ -45,8 +45,8 @@ use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower, TransportC
 use pagewire_node::pattern;
 
 use faults::Fault;
-pub use procs::die_with_parent;
 use procs::{Cluster, ClusterSpec, Hosts, Programs};
+pub use procs::{die_with_parent, prefixed};
 use reader::{Final, Line, Path as ReadPathKind, Tick};
 pub use workload::Workload;
 

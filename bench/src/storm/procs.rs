@@ -84,6 +84,18 @@ impl Hosts {
     }
 }
 
+/// A command running `program` behind a host's `exec` prefix (none: here).
+pub fn prefixed(exec: &[String], program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match exec.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
 /// What runs the cluster's programs.
 #[derive(Clone, Debug)]
 pub enum Programs {
@@ -115,14 +127,7 @@ impl Programs {
             Programs::SelfExe(exe) => (exe.clone(), Some(program)),
             Programs::Dir(d) => (d.join(format!("pagewire-{program}")), None),
         };
-        let mut c = match host.exec.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(&bin);
-                c
-            }
-            None => Command::new(&bin),
-        };
+        let mut c = prefixed(&host.exec, &bin);
         if let Some(s) = sub {
             c.arg(s);
         }
@@ -132,14 +137,7 @@ impl Programs {
     /// A reader process on `host` (always this executable).
     pub fn reader(&self, host: &Host) -> anyhow::Result<Command> {
         let exe = std::env::current_exe().context("finding this executable")?;
-        let mut c = match host.exec.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(exe);
-                c
-            }
-            None => Command::new(exe),
-        };
+        let mut c = prefixed(&host.exec, exe);
         c.arg("storm-reader");
         die_with_parent(&mut c);
         Ok(c)
