@@ -15,7 +15,6 @@ use super::VerbsConfig;
 
 /// An opened device: context, protection domain and the port's addressing.
 pub(super) struct Nic {
-    pub(super) name: String,
     pub(super) pd: Arc<ProtectionDomain>,
     pub(super) ctx: Arc<DeviceContext>,
     pub(super) port: u8,
@@ -42,7 +41,6 @@ pub(super) fn open_nic(cfg: &VerbsConfig) -> Result<Nic, String> {
             .next()
             .ok_or_else(|| "no RDMA device on this machine".to_owned())?,
     };
-    let name = dev.name();
     let ctx = dev.open().map_err(|e| dev_err("opening the device", e))?;
     let pd = ctx
         .alloc_pd()
@@ -81,7 +79,6 @@ pub(super) fn open_nic(cfg: &VerbsConfig) -> Result<Nic, String> {
         .map_err(|e| dev_err("querying the GID", e))?;
     let rd_atom = dev_attr.max_qp_rd_atom().clamp(1, 16) as u8;
     Ok(Nic {
-        name,
         pd,
         port: cfg.port,
         gid,

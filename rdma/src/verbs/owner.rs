@@ -97,16 +97,6 @@ impl VerbsOwner {
         self.shared.refused.load(Ordering::Relaxed)
     }
 
-    /// The device, port and GID index this owner serves on.
-    #[must_use]
-    pub fn device(&self) -> (String, u8, u8) {
-        (
-            self.shared.nic.name.clone(),
-            self.shared.nic.port,
-            self.shared.nic.gid_index,
-        )
-    }
-
     /// The epoch every descriptor of this owner carries.
     #[must_use]
     pub fn epoch(&self) -> u64 {
@@ -248,10 +238,30 @@ pub fn check_memlock(need: u64) -> Result<(), RegisterError> {
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0 {
         return Ok(()); // cannot tell: let the device decide
     }
-    if lim.rlim_cur == libc::RLIM_INFINITY || has_cap_ipc_lock() {
+    if lim.rlim_cur == libc::RLIM_INFINITY {
         return Ok(());
     }
-    let locked = locked_bytes().unwrap_or(0);
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    // CAP_IPC_LOCK (bit 14) in the effective set.
+    if field("CapEff:")
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .is_some_and(|caps| caps & (1 << 14) != 0)
+    {
+        return Ok(());
+    }
+    // What this process locked or pinned already.
+    let kib = |name: &str| {
+        field(name)
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let locked = (kib("VmLck:") + kib("VmPin:")) * 1024;
     if locked.saturating_add(need) > lim.rlim_cur {
         return Err(RegisterError::MemlockLimit {
             limit: lim.rlim_cur,
@@ -259,31 +269,6 @@ pub fn check_memlock(need: u64) -> Result<(), RegisterError> {
         });
     }
     Ok(())
-}
-
-/// `CAP_IPC_LOCK` (bit 14) in this process's effective capabilities.
-fn has_cap_ipc_lock() -> bool {
-    proc_status_field("CapEff:")
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << 14) != 0)
-}
-
-/// Bytes this process has locked or pinned already (`VmLck` + `VmPin`).
-fn locked_bytes() -> Option<u64> {
-    let kib = |f: &str| -> Option<u64> {
-        proc_status_field(f)?
-            .split_whitespace()
-            .next()?
-            .parse::<u64>()
-            .ok()
-    };
-    Some((kib("VmLck:").unwrap_or(0) + kib("VmPin:").unwrap_or(0)) * 1024)
-}
-
-fn proc_status_field(name: &str) -> Option<String> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix(name).map(str::to_owned))
 }
 
 /// One of the owner's `max_queue_pairs` places, held by a reader.
