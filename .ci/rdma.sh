@@ -14,7 +14,8 @@
 #    remote-read test over verbs (node/tests/remote_verbs.rs, 3 s of reads);
 # 5. runs a cluster of soft-RoCE VMs (rdma/scripts/softroce-cluster.sh): a
 #    coordinator VM and 3 node VMs; the storm over verbs with kill -9,
-#    restart, SIGSTOP past the lease and a link cut (0 wrong, 0 stale, every
+#    restart, SIGSTOP past the lease, a link cut and the coordinator killed
+#    and restarted (0 wrong, 0 stale, every
 #    event recovered, reads over verbs, asserted from its JSON), then
 #    `pagewire-bench remote` between two VMs (verbs, tcp, gRPC, Redis,
 #    perftest; 0 wrong);

@@ -146,6 +146,8 @@ pub struct Row {
     pub p50_us: f64,
     pub p99_us: f64,
     pub owner_cpu_us_per_read: Option<f64>,
+    /// User + system CPU of this process (the readers) per page read, µs.
+    pub reader_cpu_us_per_read: Option<f64>,
     pub round_trips_per_read: f64,
     pub wrong_reads: u64,
     pub retries: u64,
@@ -179,6 +181,7 @@ struct Sample {
     p50_us: f64,
     p99_us: f64,
     owner_cpu_us: Option<f64>,
+    reader_cpu_us: Option<f64>,
     counters: Counters,
 }
 
@@ -250,6 +253,8 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
         })
         .collect();
     let cpu0 = g.owner_cpu.read();
+    let me = OwnerCpu::Pid(std::process::id());
+    let reader0 = me.read();
     start.wait();
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs_f64(secs));
@@ -268,6 +273,7 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
     }
     let el = t0.elapsed().as_secs_f64();
     let cpu1 = g.owner_cpu.read();
+    let reader1 = me.read();
     if let Some(e) = first_err {
         return Err(e);
     }
@@ -277,6 +283,7 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
         p50_us: total.value_at_quantile(0.5) as f64 / 1000.0,
         p99_us: total.value_at_quantile(0.99) as f64 / 1000.0,
         owner_cpu_us: cpu0.zip(cpu1).map(|(a, b)| (b - a) / reads),
+        reader_cpu_us: reader0.zip(reader1).map(|(a, b)| (b - a) / reads),
         counters,
     })
 }
@@ -575,6 +582,7 @@ fn perftest_rows(
             p50_us: p50,
             p99_us: p99,
             owner_cpu_us_per_read: None,
+            reader_cpu_us_per_read: None,
             round_trips_per_read: 1.0,
             wrong_reads: 0,
             retries: 0,
@@ -1086,6 +1094,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 c += s.counters;
             }
             let cpu: Vec<f64> = ss.iter().filter_map(|s| s.owner_cpu_us).collect();
+            let reader_cpu: Vec<f64> = ss.iter().filter_map(|s| s.reader_cpu_us).collect();
             rows.push(Row {
                 path: g.path,
                 transport: g.transport,
@@ -1097,6 +1106,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 p50_us: median(ss.iter().map(|s| s.p50_us).collect()),
                 p99_us: median(ss.iter().map(|s| s.p99_us).collect()),
                 owner_cpu_us_per_read: (!cpu.is_empty()).then(|| median(cpu)),
+                reader_cpu_us_per_read: (!reader_cpu.is_empty()).then(|| median(reader_cpu)),
                 round_trips_per_read: c.round_trips as f64 / c.pages.max(1) as f64,
                 wrong_reads: c.wrong_reads,
                 retries: c.retries,
@@ -1198,6 +1208,7 @@ fn table(rows: &[Row]) -> String {
         "p50 us",
         "p99 us",
         "owner cpu us/read",
+        "reader cpu us/read",
         "rt/read",
         "wrong",
         "retries",
@@ -1218,6 +1229,8 @@ fn table(rows: &[Row]) -> String {
                 format!("{:.2}", r.p50_us),
                 format!("{:.2}", r.p99_us),
                 r.owner_cpu_us_per_read
+                    .map_or("-".into(), |c| format!("{c:.3}")),
+                r.reader_cpu_us_per_read
                     .map_or("-".into(), |c| format!("{c:.3}")),
                 format!("{:.3}", r.round_trips_per_read),
                 r.wrong_reads.to_string(),

@@ -78,7 +78,8 @@
 #     --readers 2 --file-mib 32 --lease-ms 4000 --op-deadline-ms 20000
 #     --compare one-sided,grpc,redis,pread --compare-duration 4s --duration 100s
 #     --kill node-2@10s --restart node-2@25s --pause node-3@40s+8s
-#     --cut node-1@65s --heal node-1@77s  [STORM ARGS]
+#     --cut node-1@65s --heal node-1@77s
+#     --kill coordinator@86s --restart coordinator@89s  [STORM ARGS]
 # with PAGEWIRE_RDMA_DEVICE=rxe0, PAGEWIRE_VERBS_ACK_TIMEOUT=17 and
 # PAGEWIRE_VERBS_RETRY=7 (rxe under TCG is slow) in every pagewire process.
 #
@@ -169,7 +170,7 @@ vm_mac() { printf '52:54:00:99:00:%02x' "$1"; }
 storm_defaults=(--readers 2 --file-mib 32 --lease-ms 4000 --op-deadline-ms 20000
     --compare one-sided,grpc,redis,pread --compare-duration 4s --duration 100s)
 fault_defaults=(--kill node-2@10s --restart node-2@25s --pause node-3@40s+8s
-    --cut node-1@65s --heal node-1@77s)
+    --cut node-1@65s --heal node-1@77s --kill coordinator@86s --restart coordinator@89s)
 user_faults=0
 for a in "${user_args[@]}"; do
     case $a in --kill | --kill=* | --restart | --restart=* | --pause | --pause=* | --cut | --cut=* | --heal | --heal=*) user_faults=1 ;; esac
@@ -723,9 +724,10 @@ if mode == "remote" or (mode == "storm" and remote == "1"):
             bad("remote: no verbs row")
         for r in rows:
             cpu = r.get("owner_cpu_us_per_read")
+            rcpu = r.get("reader_cpu_us_per_read")
             lines.append(f"remote {r.get('path')}/{r.get('transport')}/{r.get('index_cache')} x{r.get('clients')} run {r.get('run')}: "
                          f"{r.get('ops_per_sec', 0):.0f} pages/s, p50 {r.get('p50_us', 0):.0f} us, p99 {r.get('p99_us', 0):.0f} us, "
-                         f"owner cpu {'-' if cpu is None else f'{cpu:.0f}'} us/read, rt/read {r.get('round_trips_per_read', 0):.3f}, wrong {r.get('wrong_reads')}")
+                         f"owner cpu {'-' if cpu is None else f'{cpu:.0f}'} us/read, reader cpu {'-' if rcpu is None else f'{rcpu:.0f}'} us/read, rt/read {r.get('round_trips_per_read', 0):.3f}, wrong {r.get('wrong_reads')}")
             if r.get("wrong_reads") != 0:
                 bad(f"remote {r.get('path')}/{r.get('transport')}: wrong_reads={r.get('wrong_reads')}")
         for t in doc.get("targets", []):
