@@ -58,7 +58,8 @@
 //! copy: READs of a revoked region fail with [`AccessFault::UnknownKey`],
 //! READs after the owner closed with [`ReadError::ConnectionLost`]. An owner
 //! that dies without closing is noticed when a connection opens or maps a new
-//! region (its pid is gone); mapped bytes stay readable (frozen) until then.
+//! region (its pid is gone), or when a successor of the same name starts and
+//! marks its files DEAD; mapped bytes stay readable (frozen) until then.
 //! A new owner of the same name replaces a control file only when no process
 //! holds the `flock` every owner keeps on it for its lifetime (the pid alone
 //! cannot say: a restarted container's owner is PID 1 again).
@@ -75,7 +76,12 @@
 //!
 //! **Transitions.** 1. create: fields, then magic (Release), then rename.
 //! 2. revoke/close: state := DEAD (Release), then unlink. Nothing returns to
-//! LIVE; a new registration is a new file with a new rkey.
+//! LIVE; a new registration is a new file with a new rkey. An owner that
+//! died without closing cannot do this itself: its successor (the next
+//! owner of the name, which finds the control file unlocked) stores DEAD in
+//! the dead owner's control file and in each of its region files before it
+//! unlinks them, so readers still mapping them stop at their next check
+//! rather than copying frozen bytes for as long as their connection lives.
 //!
 //! **Ordering.** The Release store of the magic pairs with the reader's
 //! Acquire load of it (so the fields are visible); the Release store of DEAD
@@ -187,8 +193,52 @@ fn ctl_locked(path: &Path) -> bool {
     r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
 }
 
+/// Marks the dead owner's file at `path` DEAD (its state word at word
+/// `state`, when its magic is `magic`), so that a reader that mapped it
+/// before its owner died stops copying from it at its next state check
+/// instead of reading the frozen bytes until it notices on its own (which
+/// it never does while the connection stays open). Best effort: a file that
+/// is gone, short, foreign or not writable is left as it is (logged).
+fn mark_dead(path: &Path, magic: u64, state: usize) {
+    let res = (|| -> io::Result<bool> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        if file.metadata()?.len() < HEADER as u64 {
+            return Ok(false);
+        }
+        // SAFETY: a shared mapping of at least one page (checked above);
+        // every access to the header words is atomic, and the data beyond
+        // them is not touched.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        let base = map.as_ptr();
+        // SAFETY: one page at least, checked above.
+        let (m, st) = unsafe { (word(base, W_MAGIC), word(base, state)) };
+        if m.load(Ordering::Acquire) != magic {
+            return Ok(false);
+        }
+        // Release: pairs with the Acquire loads of the state that readers
+        // make before and after each copy (rule 2 of the protocol: a dead
+        // owner's successor performs its transition to DEAD).
+        st.store(DEAD, Ordering::Release);
+        Ok(true)
+    })();
+    match res {
+        Ok(true) => tracing::info!(
+            file = %path.display(),
+            "shm owner: marked a dead owner's file DEAD for the readers still mapping it"
+        ),
+        Ok(false) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(
+            file = %path.display(),
+            error = %e,
+            "shm owner: cannot mark a dead owner's file DEAD; readers mapping it see it frozen until they reconnect"
+        ),
+    }
+}
+
 /// Removes the region files a dead owner of `name` left behind (exactly
-/// `pagewire-{name}-` followed by eight hex digits: names may contain `-`).
+/// `pagewire-{name}-` followed by eight hex digits: names may contain `-`),
+/// each marked DEAD first.
 fn remove_stale_regions(dir: &Path, name: &str) {
     let prefix = format!("pagewire-{name}-");
     let Ok(entries) = fs::read_dir(dir) else {
@@ -205,6 +255,7 @@ fn remove_stale_regions(dir: &Path, name: &str) {
                 file = f,
                 "shm owner: removing a region file left by a dead owner"
             );
+            mark_dead(&e.path(), REG_MAGIC, W_REG_STATE);
             let _ = fs::remove_file(e.path());
         }
     }
@@ -344,6 +395,9 @@ impl ShmOwner {
                 format!("a live shm owner {name:?} exists"),
             ));
         }
+        // The predecessor is dead (no lock): its readers may still map its
+        // control file and copy its frozen regions. DEAD ends that now.
+        mark_dead(&path, CTL_MAGIC, W_CTL_STATE);
         remove_stale_regions(dir, name);
         match huge_page_policy(dir) {
             Some(p) if p.starts_with("never") || p.starts_with("deny") => tracing::debug!(

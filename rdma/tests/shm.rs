@@ -172,40 +172,47 @@ fn shm_writer_child() {
     }
 }
 
+/// Starts `shm_writer_child` as owner `name` in a child process; returns it
+/// and its region's descriptor.
+fn spawn_writer(name: &str) -> (std::process::Child, pagewire_rdma::RegionDescriptor) {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            "shm_writer_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(WRITER_ENV, name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the writer");
+    let out = child.stdout.take().expect("stdout");
+    let line = std::io::BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| l.contains("DESCRIPTOR "))
+        .expect("the writer's descriptor");
+    // libtest prints "test shm_writer_child ... " before it on the same line.
+    let hex = line.split("DESCRIPTOR ").nth(1).expect("descriptor").trim();
+    let bytes: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+        .collect();
+    let d = pagewire_rdma::RegionDescriptor::from_bytes(&bytes).expect("descriptor");
+    (child, d)
+}
+
 /// A reader in this process, the owner rewriting its pages in another: torn
 /// READs happen (chaos mode) and the checksum catches every one.
 #[test]
 fn rewritten_by_another_process() {
     conformance::bounded(60, || {
-        use std::io::BufRead;
-        use std::process::{Command, Stdio};
         let name = format!("xproc-{}", std::process::id());
-        let mut child = Command::new(std::env::current_exe().expect("test binary"))
-            .args([
-                "--exact",
-                "shm_writer_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(WRITER_ENV, &name)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn the writer");
-        let out = child.stdout.take().expect("stdout");
-        let line = std::io::BufReader::new(out)
-            .lines()
-            .map_while(Result::ok)
-            .find(|l| l.contains("DESCRIPTOR "))
-            .expect("the writer's descriptor");
-        // libtest prints "test shm_writer_child ... " before it on the same line.
-        let hex = line.split("DESCRIPTOR ").nth(1).expect("descriptor").trim();
-        let bytes: Vec<u8> = (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
-            .collect();
-        let d = pagewire_rdma::RegionDescriptor::from_bytes(&bytes).expect("descriptor");
+        let (mut child, d) = spawn_writer(&name);
         let chaos = Some(Chaos {
             pause: Some(Duration::from_micros(500)),
         });
@@ -236,6 +243,40 @@ fn rewritten_by_another_process() {
             "across processes: {valid} valid reads, {torn} torn reads caught by the checksum"
         );
         assert!(valid > 0 && torn > 0, "valid {valid}, torn {torn}");
+    });
+}
+
+/// An owner killed with SIGKILL cannot mark its files DEAD: a reader that
+/// mapped them before goes on copying its frozen bytes. The next owner of
+/// the same name (a restarted node) marks them DEAD, and that reader's next
+/// READ fails instead of returning the dead process's bytes.
+#[test]
+fn a_successor_marks_its_dead_predecessor_dead_for_mapped_readers() {
+    conformance::bounded(60, || {
+        let name = format!("succ-{}", std::process::id());
+        let (mut child, d) = spawn_writer(&name);
+        let mut c = ShmConnection::connect(&name, ShmConfig::default()).expect("connect");
+        let mut buf = vec![0u8; conformance::PAGE];
+        let read = |c: &mut ShmConnection, buf: &mut [u8]| {
+            pagewire_rdma::read_blocking(c, d, &mut [(0, buf)]).map(|r| r[0].clone())
+        };
+        assert_eq!(read(&mut c, &mut buf).expect("post"), Ok(()));
+        child.kill().expect("SIGKILL the owner");
+        child.wait().expect("reap");
+        // Frozen, still mapped: nothing has told this reader yet.
+        assert_eq!(
+            read(&mut c, &mut buf).expect("post"),
+            Ok(()),
+            "before a successor exists the dead owner's bytes are readable (frozen)"
+        );
+        let successor = ShmOwner::create(&name).expect("the successor replaces the dead owner");
+        match read(&mut c, &mut buf) {
+            Err(_) | Ok(Err(_)) => {}
+            Ok(Ok(())) => {
+                panic!("a READ after the successor started returned the dead owner's bytes")
+            }
+        }
+        drop(successor);
     });
 }
 
