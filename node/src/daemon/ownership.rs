@@ -21,7 +21,12 @@
 //!    dead node), and for every extent it owns after skipped epochs: other
 //!    nodes read pages one-sidedly from the owner their map names, which may
 //!    be the old one (frozen, its memory still readable) until *their* lease
-//!    runs out, at most one lease after this map was published.
+//!    runs out, at most one lease after this map was published. Every
+//!    extent owned in the first map after a registration is fenced too (a
+//!    predecessor of the same node id may have been killed and restarted in
+//!    place, keeping its extents with no move). A fence lasts until its
+//!    deadline whatever maps follow, as long as the extent stays owned
+//!    under consecutive epochs (it is not one epoch long).
 //! 4. Pages of an extent this node does not serve come from a [`PageSource`]
 //!    (reading them from their owner, never caching them), or, with none, are
 //!    refused as a stale map.
@@ -163,20 +168,32 @@ impl MapView {
                 .get(e)
                 .is_some_and(|&r| r != 0 && r != me);
             // Gained since the last map from another owner (not a handoff
-            // that ended: that one names `released_by`), or owned after a
-            // gap in the epochs, where anything may have moved.
+            // that ended: that one names `released_by`), owned after a gap
+            // in the epochs, where anything may have moved, or owned in the
+            // first map after a registration: this process cannot know who
+            // served the extent before (a predecessor of the same id killed
+            // and restarted in place within its lease keeps its extents
+            // with no move, and readers may still copy its frozen region).
             let gained = match old {
                 Some(o) if continuous => o.role(e) != Role::Owner,
-                Some(_) => true,
-                None => false,
+                Some(_) | None => true,
             };
-            if !released && !gained {
-                continue;
-            }
+            // A fence runs to its deadline, however many epochs follow: it
+            // is carried over (expired ones too, so that a `released_by`
+            // still named does not start a second fence) for as long as the
+            // extent stays owned outright under consecutive epochs.
             let kept = old
                 .filter(|o| continuous && o.role(e) == Role::Owner)
                 .and_then(|o| o.write_fences.get(&e).copied());
-            view.write_fences.insert(e, kept.unwrap_or(now + fence));
+            match kept {
+                Some(at) => {
+                    view.write_fences.insert(e, at);
+                }
+                None if released || gained => {
+                    view.write_fences.insert(e, now + fence);
+                }
+                None => {}
+            }
         }
         let Some(old) = old else {
             // Nothing is cached without a view (start, or after losing
@@ -301,23 +318,89 @@ mod tests {
         }
     }
 
+    /// Finding 2 of issue 18: a process restarted in place (same id, same
+    /// index, within its predecessor's lease) gets the same extents with no
+    /// move; it cannot tell that case from a first start, so every extent
+    /// of its first map is fenced.
+    #[test]
+    fn the_first_map_after_a_registration_fences_every_owned_extent() {
+        let now = Instant::now();
+        let v1 = MapView::plan(None, map(7, &[1, 2, 1], &[], &[]), 1, 16, FENCE, now).view;
+        assert_eq!(v1.write_wait(0, now), Some(FENCE));
+        assert_eq!(v1.write_wait(2, now), Some(FENCE));
+        assert_eq!(
+            v1.write_wait(0, now + FENCE),
+            None,
+            "until one lease + margin"
+        );
+    }
+
     #[test]
     fn an_extent_taken_from_a_dead_node_fences_its_writes() {
-        let now = Instant::now();
-        let v1 = MapView::plan(None, map(1, &[1, 2, 1], &[], &[]), 1, 16, FENCE, now).view;
+        let t0 = Instant::now();
+        let v1 = MapView::plan(None, map(1, &[1, 2, 1], &[], &[]), 1, 16, FENCE, t0).view;
         // Node 2 died: its extent comes to us with no handoff and no release.
-        let v2 = MapView::plan(Some(&v1), map(2, &[1, 1, 1], &[], &[]), 1, 16, FENCE, now).view;
-        assert_eq!(v2.write_wait(1, now), Some(FENCE), "taken from a dead node");
-        assert_eq!(v2.write_wait(0, now), None, "kept");
+        let t1 = t0 + 2 * FENCE;
+        let v2 = MapView::plan(Some(&v1), map(2, &[1, 1, 1], &[], &[]), 1, 16, FENCE, t1).view;
+        assert_eq!(v2.write_wait(1, t1), Some(FENCE), "taken from a dead node");
+        assert_eq!(v2.write_wait(0, t1), None, "kept, its first fence over");
         // After a gap in the epochs every owned extent is fenced.
-        let v3 = MapView::plan(Some(&v2), map(5, &[1, 1, 1], &[], &[]), 1, 16, FENCE, now).view;
-        assert_eq!(v3.write_wait(0, now), Some(FENCE));
+        let v3 = MapView::plan(Some(&v2), map(5, &[1, 1, 1], &[], &[]), 1, 16, FENCE, t1).view;
+        assert_eq!(v3.write_wait(0, t1), Some(FENCE));
+    }
+
+    /// Finding 1 of issue 18: a takeover's fence used to end with the next
+    /// epoch (any unrelated change: a drain, a join), so the new owner
+    /// acknowledged writes while readers could still trust the old map and
+    /// read the frozen old owner's region.
+    #[test]
+    fn a_takeover_fence_outlives_the_epochs_that_follow() {
+        let t0 = Instant::now();
+        let v1 = MapView::plan(None, map(1, &[1, 2, 3], &[], &[]), 1, 16, FENCE, t0).view;
+        let t1 = t0 + 2 * FENCE;
+        // Node 2 is declared dead: extent 1 comes to node 1.
+        let v2 = MapView::plan(Some(&v1), map(2, &[1, 1, 3], &[], &[]), 1, 16, FENCE, t1).view;
+        assert_eq!(v2.write_wait(1, t1), Some(FENCE));
+        // 4 ms later an unrelated change (node 3 drained) publishes epoch 3.
+        let t2 = t1 + Duration::from_millis(4);
+        let v3 = MapView::plan(
+            Some(&v2),
+            map(3, &[1, 1, 1], &[0, 0, 3], &[]),
+            1,
+            16,
+            FENCE,
+            t2,
+        )
+        .view;
+        assert_eq!(
+            v3.write_wait(1, t2),
+            Some(FENCE - Duration::from_millis(4)),
+            "the takeover's fence runs to its deadline"
+        );
+        let t3 = t2 + Duration::from_millis(6);
+        let v4 = MapView::plan(
+            Some(&v3),
+            map(4, &[1, 1, 1], &[], &[0, 0, 3]),
+            1,
+            16,
+            FENCE,
+            t3,
+        )
+        .view;
+        assert_eq!(
+            v4.write_wait(1, t3),
+            Some(FENCE - Duration::from_millis(10))
+        );
+        assert_eq!(v4.write_wait(2, t3), Some(FENCE), "released by 3: fenced");
+        assert_eq!(v4.write_wait(1, t1 + FENCE), None, "and no longer");
     }
 
     #[test]
     fn roles_evictions_and_write_fences() {
-        let now = Instant::now();
-        let v1 = MapView::plan(None, map(1, &[1, 2, 1], &[], &[]), 1, 16, FENCE, now);
+        // The first map's fence (every owned extent) is over by `now`.
+        let t0 = Instant::now();
+        let now = t0 + 2 * FENCE;
+        let v1 = MapView::plan(None, map(1, &[1, 2, 1], &[], &[]), 1, 16, FENCE, t0);
         assert!(v1.evict.is_empty() && !v1.evict_all);
         let v1 = v1.view;
         assert_eq!(v1.role(0), Role::Owner);
