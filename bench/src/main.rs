@@ -12,6 +12,7 @@ mod insert;
 mod local;
 mod machine;
 mod mapscale;
+mod nemesis;
 mod plot;
 mod policy;
 mod readloop;
@@ -58,6 +59,11 @@ enum Cmd {
     /// The whole system in one command: a 3-node cluster on loopback, a
     /// storm with a node killed and restarted, the table and the plots.
     Demo(storm::DemoArgs),
+    /// A seeded random fault schedule (kill -9, restart in place, SIGSTOP
+    /// past the lease, cuts, coordinator failover, drains, joins, tight
+    /// follow-ups) under logged reads and writes, and a per-page
+    /// linearizability check of the history.
+    Nemesis(Box<nemesis::Args>),
     /// What the ownership map costs as the file and the cluster grow: an
     /// in-process coordinator, simulated members that only heartbeat and
     /// watchers on WatchMap (compact); map and delta bytes, join-to-applied
@@ -72,6 +78,9 @@ enum Cmd {
     /// A reader process of `storm` (started by it; not for direct use).
     #[command(hide = true)]
     StormReader(storm::reader::ReaderArgs),
+    /// A worker process of `nemesis` (started by it; not for direct use).
+    #[command(hide = true)]
+    NemesisWorker(nemesis::worker::WorkerArgs),
     /// The owner process of `remote` (started by it; not for direct use).
     #[command(hide = true)]
     RemoteOwner(remote::owner::OwnerArgs),
@@ -141,6 +150,8 @@ fn bench() -> anyhow::Result<()> {
         Cmd::Storm(a) => storm::run(&a),
         Cmd::Demo(a) => storm::demo(&a),
         Cmd::Mapscale(a) => mapscale::run(&a),
+        Cmd::Nemesis(a) => nemesis::run(&a),
+        Cmd::NemesisWorker(a) => nemesis::worker::run(&a),
         Cmd::StormReader(a) => storm::reader::run(&a),
         Cmd::Genfile(a) => genfile::run(&a),
         Cmd::Readloop(a) => readloop::run(&a),

@@ -26,8 +26,8 @@
 //! (must be 0: the run fails otherwise), retries, validation failures,
 //! fallbacks and errors.
 
-mod faults;
-mod procs;
+pub(crate) mod faults;
+pub(crate) mod procs;
 pub mod reader;
 mod report;
 pub(crate) mod workload;
@@ -405,6 +405,10 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
                 lease_ms: a.lease_ms,
                 shm: a.transport == "shm" || a.transport == "auto",
                 verbs: a.transport == "verbs",
+                node_ports: Vec::new(),
+                standby_ports: Vec::new(),
+                store: None,
+                coordinator_args: Vec::new(),
             };
             eprintln!(
                 "storm: starting a coordinator and {} nodes ({} frames each, {:.0} % of the file in all)",

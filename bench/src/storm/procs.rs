@@ -171,7 +171,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
+    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> anyhow::Result<Self> {
         let cmd_line = std::iter::once(cmd.get_program())
             .chain(cmd.get_args())
             .map(|s| s.to_string_lossy().into_owned())
@@ -197,7 +197,7 @@ impl Proc {
         })
     }
 
-    fn pid(&self) -> Option<i32> {
+    pub fn pid(&self) -> Option<i32> {
         self.child.as_ref().map(|c| c.id() as i32)
     }
 
@@ -290,6 +290,15 @@ pub struct ClusterSpec {
     pub shm: bool,
     /// Nodes serve their regions over verbs too.
     pub verbs: bool,
+    /// Each node's gRPC port (index: node), so that a node restarted in
+    /// place comes back at the same address; empty: any free port.
+    pub node_ports: Vec<u16>,
+    /// More coordinators (the nemesis's failover on etcd): their ports.
+    pub standby_ports: Vec<u16>,
+    /// The coordinators' store (`etcd://...`; `None`: a state file).
+    pub store: Option<String>,
+    /// More arguments for every coordinator (`--extent-size`, `--config`).
+    pub coordinator_args: Vec<String>,
 }
 
 /// The coordinator and the nodes.
@@ -297,6 +306,8 @@ pub struct Cluster {
     pub spec: ClusterSpec,
     pub coordinator: Proc,
     pub nodes: Vec<Proc>,
+    /// The coordinators of `spec.standby_ports`, in order.
+    pub standby: Vec<Proc>,
 }
 
 pub fn free_port(ip: &str) -> anyhow::Result<u16> {
@@ -315,19 +326,50 @@ impl ClusterSpec {
         format!("{}:{}", self.hosts.coordinator.ip, self.coordinator_port)
     }
 
+    /// Every coordinator's address, comma-separated (what nodes and
+    /// clients are given).
+    pub fn coordinator_list(&self) -> String {
+        std::iter::once(self.coordinator_port)
+            .chain(self.standby_ports.iter().copied())
+            .map(|p| format!("{}:{p}", self.hosts.coordinator.ip))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     fn start_coordinator(&self) -> anyhow::Result<Proc> {
+        self.start_coordinator_on(0)
+    }
+
+    /// Coordinator `i`: 0 is `coordinator`, `i` the standby `i - 1`
+    /// (named `coordinator-{i+1}`).
+    pub fn start_coordinator_on(&self, i: usize) -> anyhow::Result<Proc> {
         let h = &self.hosts.coordinator;
+        let (name, port) = match i {
+            0 => ("coordinator".to_owned(), self.coordinator_port),
+            _ => (
+                format!("coordinator-{}", i + 1),
+                *self
+                    .standby_ports
+                    .get(i - 1)
+                    .with_context(|| format!("no standby coordinator {i}"))?,
+            ),
+        };
         let mut c = self.programs.command(h, "coordinator");
         c.arg("--listen")
-            .arg(self.coordinator_addr())
+            .arg(format!("{}:{port}", h.ip))
             .args(["--metrics-listen", ""])
-            .arg("--state-file")
-            .arg(self.dir.join("coordinator.state"))
             .arg("--token-file")
             .arg(&self.token_file)
             .arg("--lease-ms")
-            .arg(self.lease_ms.to_string());
-        Proc::spawn("coordinator", c, self.dir.join("coordinator.log"))
+            .arg(self.lease_ms.to_string())
+            .args(&self.coordinator_args);
+        match &self.store {
+            Some(s) => c.arg("--store").arg(s),
+            None => c
+                .arg("--state-file")
+                .arg(self.dir.join(format!("{name}.state"))),
+        };
+        Proc::spawn(&name, c, self.dir.join(format!("{name}.log")))
     }
 
     /// Node `i` (0-based): id `node-{i+1}`.
@@ -346,16 +388,17 @@ impl ClusterSpec {
         )?;
         std::fs::create_dir_all(self.dir.join("shm"))?;
         let mut c = self.programs.command(h, "node");
+        let port = self.node_ports.get(i).copied().unwrap_or(0);
         c.arg("--config")
             .arg(&config)
             .args(["--node-id", &name])
             .arg("--backing-file")
             .arg(&self.file)
             .arg("--listen")
-            .arg(format!("{}:0", h.ip))
+            .arg(format!("{}:{port}", h.ip))
             .args(["--metrics-listen", ""])
             .arg("--coordinator")
-            .arg(self.coordinator_addr())
+            .arg(self.coordinator_list())
             .arg("--token-file")
             .arg(&self.token_file)
             .arg("--frames")
@@ -416,6 +459,30 @@ pub fn warm(addr: &str, token: &str, file_size: u64) -> anyhow::Result<u64> {
     })
 }
 
+/// Drains a node (`undrain`: undrains it) through the coordinator's admin
+/// API, as `pwctl drain` does; the epoch of the map it published.
+pub fn drain(addr: &str, token: &str, node_id: &str, undrain: bool) -> anyhow::Result<u64> {
+    rt()?.block_on(async {
+        let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
+        let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
+        let req = pagewire_proto::v1::DrainRequest {
+            node_id: node_id.to_owned(),
+            incarnation: 0,
+        };
+        let r = tokio::time::timeout(Duration::from_secs(3), async {
+            if undrain {
+                c.undrain(req).await
+            } else {
+                c.drain(req).await
+            }
+        })
+        .await
+        .context("Drain timed out")??
+        .into_inner();
+        Ok(r.map_epoch)
+    })
+}
+
 /// Whether `m` has `nodes` live nodes, every extent owned, no handoff.
 pub fn settled(m: &OwnershipMap, nodes: usize) -> bool {
     let alive = m
@@ -434,13 +501,31 @@ impl Cluster {
     /// Starts the coordinator and every node and waits (bounded) until the
     /// map has settled with all of them.
     pub fn start(spec: ClusterSpec, token: &str, stop: &dyn Fn() -> bool) -> anyhow::Result<Self> {
+        let n = spec.hosts.node.len();
+        Self::start_with(spec, token, n, stop)
+    }
+
+    /// [`Cluster::start`] with the first `nodes` nodes of the hosts (the
+    /// others are left for [`Cluster::join`]), and every standby
+    /// coordinator.
+    pub fn start_with(
+        spec: ClusterSpec,
+        token: &str,
+        nodes: usize,
+        stop: &dyn Fn() -> bool,
+    ) -> anyhow::Result<Self> {
         let coordinator = spec.start_coordinator()?;
+        let mut standby = Vec::new();
+        for i in 0..spec.standby_ports.len() {
+            standby.push(spec.start_coordinator_on(i + 1)?);
+        }
         let mut c = Cluster {
             coordinator,
             nodes: Vec::new(),
+            standby,
             spec,
         };
-        for i in 0..c.spec.hosts.node.len() {
+        for i in 0..nodes.min(c.spec.hosts.node.len()) {
             let h = &c.spec.hosts.node[i];
             if !h.exec.is_empty() {
                 eprintln!("storm: node-{} on host {} ({})", i + 1, h.name, h.ip);
@@ -489,10 +574,39 @@ impl Cluster {
         }
     }
 
-    /// The process a fault names (`coordinator` or `node-N`).
+    /// Starts the next node of the hosts (a new id): its name.
+    pub fn join(&mut self) -> anyhow::Result<String> {
+        let i = self.nodes.len();
+        if i >= self.spec.hosts.node.len() {
+            bail!("no spare node host to join");
+        }
+        let p = self.spec.start_node(i)?;
+        let name = p.name.clone();
+        self.nodes.push(p);
+        Ok(name)
+    }
+
+    /// kill -9 then start again at once: the same id and (with
+    /// `node_ports`) the same address, within the old lease.
+    pub fn restart_in_place(&mut self, target: &str) -> anyhow::Result<()> {
+        let i = self
+            .nodes
+            .iter()
+            .position(|p| p.name == target)
+            .with_context(|| format!("no node {target:?}"))?;
+        self.nodes[i].kill();
+        self.nodes[i] = self.spec.start_node(i)?;
+        Ok(())
+    }
+
+    /// The process a fault names (`coordinator`, `coordinator-N` or
+    /// `node-N`).
     pub fn proc_mut(&mut self, target: &str) -> anyhow::Result<&mut Proc> {
         if target == "coordinator" {
             return Ok(&mut self.coordinator);
+        }
+        if let Some(p) = self.standby.iter_mut().find(|p| p.name == target) {
+            return Ok(p);
         }
         self.nodes
             .iter_mut()
@@ -503,6 +617,8 @@ impl Cluster {
     pub fn restart(&mut self, target: &str) -> anyhow::Result<()> {
         let fresh = if target == "coordinator" {
             self.spec.start_coordinator()?
+        } else if let Some(i) = self.standby.iter().position(|p| p.name == target) {
+            self.spec.start_coordinator_on(i + 1)?
         } else {
             let i = self
                 .nodes
