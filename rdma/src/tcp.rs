@@ -112,6 +112,22 @@ const WAIT_QUANTUM: Duration = Duration::from_millis(10);
 /// Default of [`ResponderConfig::spin`] and [`ConnectionConfig::spin`].
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
+/// The client side of this transport's handshake over any stream (the
+/// decoder of the responder's challenge), for the fuzz targets and tests
+/// that stand in for one end of a connection.
+#[doc(hidden)]
+pub fn handshake_client<S: Read + Write>(s: &mut S, token: &[u8]) -> Result<(), ConnectError> {
+    handshake::client(s, MAGIC, token)
+}
+
+/// The responder side of this transport's handshake over any stream (the
+/// decoder of a client's hello and answer); `Ok(true)` when the client
+/// proved it holds `token`.
+#[doc(hidden)]
+pub fn handshake_server<S: Read + Write>(s: &mut S, token: &[u8]) -> io::Result<bool> {
+    handshake::server(s, MAGIC, token)
+}
+
 /// Settings of a [`TcpResponder`].
 #[derive(Debug, Clone)]
 pub struct ResponderConfig {
