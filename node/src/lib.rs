@@ -58,6 +58,10 @@ mod loom_models;
 pub use backing::BackingFile;
 #[cfg(not(loom))]
 pub use cache::{CacheConfig, Evicted, PageCache, PageRef, RegionView};
+/// The node config file's decoder, for the fuzz targets (`fuzz/`).
+#[cfg(not(loom))]
+#[doc(hidden)]
+pub use daemon::config::check_config_text;
 pub use error::{BackingError, OpenError, ReadError, WriteError};
 pub use index::{Index, IndexKind};
 pub use stats::Stats;

@@ -156,6 +156,17 @@ fn invalid(key: &'static str, reason: impl Into<String>) -> DaemonError {
     }
 }
 
+/// What the daemon does with the text of a config file before it uses it:
+/// parse, validate, and derive the cache's config and the node's capacity.
+/// The entry of the fuzz target of this decoder; the error is the message.
+#[doc(hidden)]
+pub fn check_config_text(text: &str) -> Result<(), String> {
+    let c = Config::parse(text, Path::new("<fuzz>")).map_err(|e| e.to_string())?;
+    c.validate().map_err(|e| e.to_string())?;
+    let _ = (c.cache_config(), c.capacity());
+    Ok(())
+}
+
 impl Config {
     pub(crate) fn load(path: Option<&Path>) -> Result<Self, DaemonError> {
         let Some(path) = path else {
@@ -165,7 +176,12 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        toml::from_str(&text).map_err(|e| DaemonError::ConfigParse {
+        Self::parse(&text, path)
+    }
+
+    /// Parses the text of the config file at `path`.
+    fn parse(text: &str, path: &Path) -> Result<Self, DaemonError> {
+        toml::from_str(text).map_err(|e| DaemonError::ConfigParse {
             path: path.to_owned(),
             message: e.to_string(),
         })
