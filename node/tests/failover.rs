@@ -164,6 +164,45 @@ fn map(epoch: u64) -> OwnershipMap {
     }
 }
 
+/// Issue 18, finding 4: a coordinator whose copy of the map lags (a
+/// follower that did not confirm it, an ex-leader rolled back) sends an
+/// older epoch as the first message of a new map stream. The node must not
+/// roll its map back to it: that map may give it extents that have since
+/// moved and been written elsewhere.
+#[test]
+fn the_node_never_rolls_its_map_back_to_an_older_epoch_from_another_coordinator() {
+    let rt = runtime();
+    let ahead = Fake::start(&rt, TOKEN, Role::Leader);
+    let behind = Fake::start(&rt, TOKEN, Role::Follower { hint: None });
+    for (f, epoch) in [(&ahead, 5), (&behind, 3)] {
+        let mut st = f.state();
+        st.map = map(epoch);
+        st.map.owner = vec![1; 16];
+        st.stream_maps = true;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let list = format!("{},{}", ahead.address, behind.address);
+    let node = NodeProc::start(dir.path(), &list);
+    wait_for("epoch 5 applied", Duration::from_secs(20), || {
+        ahead.state().heartbeat_epochs.last() == Some(&5)
+    });
+    // The coordinator holding epoch 5 goes away; the other one, which
+    // leads now but holds epoch 3, serves heartbeats and the map stream.
+    behind.set_role(Role::Leader);
+    ahead.set_role(Role::Candidate);
+    wait_for(
+        "heartbeats on the other coordinator",
+        Duration::from_secs(20),
+        || behind.state().heartbeat_epochs.len() >= 5 && behind.count("WatchMap") >= 2,
+    );
+    let epochs = behind.state().heartbeat_epochs.clone();
+    assert!(
+        epochs.iter().all(|&e| e == 5),
+        "the node rolled its map back: applied epochs {epochs:?}\n{}",
+        node.log()
+    );
+}
+
 #[test]
 fn the_map_follower_confirms_through_any_coordinator_and_refetches_on_a_switch() {
     let rt = runtime();

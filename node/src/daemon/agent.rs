@@ -36,7 +36,9 @@
 //!   stream: 100 ms doubling to 2 s; heartbeats: the next interval). The
 //!   map stream may stay on a follower: followers confirm with etcd that
 //!   their copy is current before they answer, so their maps are as good
-//!   as the leader's. With one address nothing switches, and every failure
+//!   as the leader's. Whatever a coordinator sends, a map older than the
+//!   applied one is never applied (not even as a stream's first message;
+//!   see [`Node::apply_map`]). With one address nothing switches, and every failure
 //!   waits out that backoff, as with a single coordinator.
 
 use std::sync::Arc;
@@ -231,7 +233,7 @@ impl Agent {
                         .map
                         .map(|m| pagewire_proto::map::MapFollower::new().apply(m))
                     {
-                        Some(Ok(map)) => self.apply_map(map, true, generation).await,
+                        Some(Ok(map)) => self.apply_map(map, generation).await,
                         Some(Err(e)) => {
                             tracing::warn!(error = %e, "the registration's map is unusable; the map stream brings one");
                         }
@@ -384,7 +386,6 @@ impl Agent {
                 Ok(resp) => {
                     self.coords.succeeded(&pick);
                     let mut stream = resp.into_inner();
-                    let mut first = true;
                     loop {
                         match stream.message().await.map(|m| m.map(|m| compact.apply(m))) {
                             Ok(Some(Err(e))) => {
@@ -392,11 +393,9 @@ impl Agent {
                                 break;
                             }
                             Ok(Some(Ok(map))) => {
-                                // The first map of a stream is the coordinator's
-                                // current one: authoritative even if its epoch
-                                // went down (a coordinator started afresh).
-                                self.apply_map(map, first, generation).await;
-                                first = false;
+                                // Never an older epoch than the applied one,
+                                // even as a stream's first map (`Node::apply_map`).
+                                self.apply_map(map, generation).await;
                                 backoff = Duration::from_millis(100);
                             }
                             Ok(None) => break,
@@ -422,10 +421,9 @@ impl Agent {
 
     /// Applies `map` on the blocking pool; it runs to the end even if this
     /// future is dropped.
-    async fn apply_map(&self, map: OwnershipMap, authoritative: bool, generation: u64) {
+    async fn apply_map(&self, map: OwnershipMap, generation: u64) {
         let node = self.node.clone();
-        let _ = tokio::task::spawn_blocking(move || node.apply_map(map, authoritative, generation))
-            .await;
+        let _ = tokio::task::spawn_blocking(move || node.apply_map(map, generation)).await;
     }
 
     fn apply_policy(&self, p: pagewire_proto::v1::Policy) {

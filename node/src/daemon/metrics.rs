@@ -112,6 +112,12 @@ impl prometheus_client::collector::Collector for NodeCollector {
             "Registrations with the coordinator",
             n.registrations.load(Ordering::Relaxed),
         )?;
+        counter(
+            &mut enc,
+            "older_maps_refused",
+            "Maps a coordinator sent with an epoch older than the applied one (not applied)",
+            n.older_maps_refused.load(Ordering::Relaxed),
+        )?;
         gauge(&mut enc, "cache_frames", "Frames in the cache", frames)?;
         gauge(
             &mut enc,

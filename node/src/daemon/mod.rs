@@ -76,6 +76,8 @@ pub(crate) struct Node {
     pub(crate) lease_rejections: AtomicU64,
     pub(crate) heartbeat_failures: AtomicU64,
     pub(crate) registrations: AtomicU64,
+    /// Maps refused for an epoch older than the applied one.
+    pub(crate) older_maps_refused: AtomicU64,
     pub(crate) max_pages_per_call: u64,
     /// Wakes the heartbeat loop at once (after a map is applied).
     pub(crate) heartbeat_now: Notify,
@@ -111,6 +113,7 @@ impl Node {
             lease_rejections: AtomicU64::new(0),
             heartbeat_failures: AtomicU64::new(0),
             registrations: AtomicU64::new(0),
+            older_maps_refused: AtomicU64::new(0),
             max_pages_per_call: cfg.max_pages_per_call,
             heartbeat_now: Notify::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -147,23 +150,41 @@ impl Node {
         self.applied.load(Ordering::Acquire)
     }
 
-    /// Applies `map` (blocking: evictions read the cache), unless it is older
-    /// than the applied one (or the same, when not `authoritative`), or was
-    /// received for a registration this node has since lost (`generation`).
+    /// Applies `map` (blocking: evictions read the cache), unless it was
+    /// received for a registration this node has since lost (`generation`),
+    /// it is the applied map again, or it is older than the applied one.
     /// Runs to the end once started: callers await it on the blocking pool,
     /// where a cancelled caller does not stop it.
-    pub(crate) fn apply_map(&self, map: OwnershipMap, authoritative: bool, generation: u64) {
+    ///
+    /// An older epoch is never applied, whoever sends it: a coordinator's
+    /// copy can lag (a follower's, an ex-leader's rolled back after a failed
+    /// save), and rolling back could hand this node extents that have moved
+    /// and been written since. The one case where epochs legitimately go
+    /// down, a coordinator that lost its state, also forgets this node's
+    /// registration: the node registers again and loses everything first,
+    /// so its next map is applied with no view to compare with. The same
+    /// epoch with other content (which no coordinator that kept its state
+    /// sends) is applied as a gap: everything is evicted.
+    pub(crate) fn apply_map(&self, map: OwnershipMap, generation: u64) {
         let _serial = self.apply_lock.lock().unwrap_or_else(|e| e.into_inner());
         if self.generation.load(Ordering::Acquire) != generation {
             tracing::debug!(epoch = map.epoch, "map for a lost registration; ignored");
             return;
         }
         let old = self.view();
-        if let Some(old) = &old
-            && (map.epoch < old.map.epoch && !authoritative
-                || (map.epoch == old.map.epoch && (!authoritative || *old.map == map)))
-        {
-            return;
+        if let Some(old) = &old {
+            if map.epoch < old.map.epoch {
+                self.older_maps_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    epoch = map.epoch,
+                    applied = old.map.epoch,
+                    "a coordinator sent a map older than the applied one; not rolling back"
+                );
+                return;
+            }
+            if map.epoch == old.map.epoch && *old.map == map {
+                return;
+            }
         }
         let page_size = self.cache.page_size() as u64;
         if map.extent_size == 0 || !map.extent_size.is_multiple_of(page_size) {
@@ -595,17 +616,17 @@ mod tests {
     fn applying_maps_evicts_what_is_no_longer_served_and_everything_after_a_gap() {
         let (_dir, node) = node();
         let registration = node.generation.load(Ordering::Acquire);
-        node.apply_map(map(1, &[1, 1, 2, 1]), true, registration);
+        node.apply_map(map(1, &[1, 1, 2, 1]), registration);
         assert_eq!(node.applied_epoch(), 1);
         for p in [0, PPE, 3 * PPE] {
             node.cache.get(p).unwrap();
         }
         // Consecutive epoch: extent 1 goes (evicted), 0 and 3 stay cached.
-        node.apply_map(map(2, &[1, 2, 2, 1]), false, registration);
+        node.apply_map(map(2, &[1, 2, 2, 1]), registration);
         assert!(cached(&node, 0) && cached(&node, 3 * PPE));
         assert!(!cached(&node, PPE), "a dropped extent kept its pages");
         // A skipped epoch: extent 0 may have moved away and back meanwhile.
-        node.apply_map(map(4, &[1, 2, 2, 1]), false, registration);
+        node.apply_map(map(4, &[1, 2, 2, 1]), registration);
         assert!(!cached(&node, 0) && !cached(&node, 3 * PPE));
         assert_eq!(node.applied_epoch(), 4);
         // Losing everything: no map, nothing cached, later maps of that
@@ -614,7 +635,7 @@ mod tests {
         node.lose_everything("test");
         assert!(node.view().is_none() && !cached(&node, 0));
         assert_eq!(node.applied_epoch(), 0);
-        node.apply_map(map(5, &[1, 1, 1, 1]), true, registration);
+        node.apply_map(map(5, &[1, 1, 1, 1]), registration);
         assert!(
             node.view().is_none(),
             "applied a map of a lost registration"

@@ -52,6 +52,11 @@ pub struct FakeState {
     pub store_problem: String,
     /// `DrainRequest.node_id` of each drain served.
     pub drained: Vec<String>,
+    /// WatchMap sends `map` and ends the stream (the watcher comes back);
+    /// otherwise it stays open and silent.
+    pub stream_maps: bool,
+    /// `applied_epoch` of each heartbeat served, in order.
+    pub heartbeat_epochs: Vec<u64>,
 }
 
 #[derive(Clone)]
@@ -77,6 +82,8 @@ impl Fake {
             coordinators: Vec::new(),
             store_problem: String::new(),
             drained: Vec::new(),
+            stream_maps: false,
+            heartbeat_epochs: Vec::new(),
         }));
         let listener = rt
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
@@ -163,9 +170,10 @@ impl Coordinator for Svc {
 
     async fn heartbeat(
         &self,
-        _r: Request<HeartbeatRequest>,
+        r: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        let st = self.enter("Heartbeat", true)?;
+        let mut st = self.enter("Heartbeat", true)?;
+        st.heartbeat_epochs.push(r.get_ref().applied_epoch);
         Ok(Response::new(HeartbeatResponse {
             lease_ms: st.lease_ms,
             map_epoch: 0,
@@ -183,7 +191,11 @@ impl Coordinator for Svc {
     type WatchMapStream = MapStream;
 
     async fn watch_map(&self, _r: Request<WatchMapRequest>) -> Result<Response<MapStream>, Status> {
-        let _st = self.enter("WatchMap", false)?;
+        let st = self.enter("WatchMap", false)?;
+        if st.stream_maps {
+            let map = st.map.clone();
+            return Ok(Response::new(Box::pin(tokio_stream::iter([Ok(map)]))));
+        }
         // Open, and silent: the node keeps the map it registered with.
         Ok(Response::new(Box::pin(tokio_stream::pending())))
     }
