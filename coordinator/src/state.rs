@@ -1,9 +1,11 @@
 //! The cluster state machine: members, leases and the ownership map.
 //!
 //! All of it lives behind one mutex in [`crate::service`]; every method here
-//! is short and synchronous. Every map change bumps the epoch, is written to
-//! the store (the state file, or etcd: [`crate::store`]), and only then
-//! published to watchers, so a published epoch always survives a restart or
+//! is synchronous, and short but for the store's save, which the service
+//! runs on a blocking thread. A change whose save fails is undone whole
+//! (map and members), so that it is tried again as a whole. Every map
+//! change bumps the epoch, is written to the store (the state file, or
+//! etcd: [`crate::store`]), and only then published to watchers, so a published epoch always survives a restart or
 //! a change of leader. A coordinator that follows another (etcd) holds the
 //! same `Cluster`, replaced with each state the store shows
 //! ([`Cluster::load_state`]); it changes nothing itself.
@@ -70,11 +72,20 @@ pub(crate) struct Params {
     pub(crate) state_file: PathBuf,
 }
 
+#[derive(Clone)]
 struct Member {
     /// Persistent fields plus the runtime ones (`applied_epoch`, `stats`).
     info: NodeInfo,
     /// When the lease runs out (only for states holding a lease).
     lease_deadline: Option<Instant>,
+}
+
+/// What a change may alter before it commits (see [`Cluster::transact`]).
+struct Undo {
+    members: BTreeMap<String, Member>,
+    next_index: u32,
+    next_incarnation: u64,
+    file_size: u64,
 }
 
 /// One layer of a compact map rule (`pagewire.v1.Layer`).
@@ -873,11 +884,12 @@ impl Cluster {
             std::mem::replace(&mut self.released_epoch, released_epoch),
         );
         self.epoch += 1;
-        self.settle_drains();
+        let drained = self.settle_drains();
         self.compact = Arc::new(self.encode());
         if let Err(e) = self.store_save(Some((self.epoch, reason))) {
             // Roll back: an epoch that is not on disk must not be published.
             self.epoch -= 1;
+            self.unsettle(&drained);
             (self.desc, self.compact) = old_desc;
             (
                 self.owner,
@@ -947,20 +959,60 @@ impl Cluster {
         (released, since)
     }
 
-    /// Draining nodes that own and hand off nothing are drained.
-    fn settle_drains(&mut self) {
+    /// Draining nodes that own and hand off nothing are drained; returns
+    /// their ids.
+    fn settle_drains(&mut self) -> Vec<String> {
         let busy: HashSet<u32> = self
             .owner
             .iter()
             .chain(self.previous.iter())
             .copied()
             .collect();
+        let mut drained = Vec::new();
         for m in self.members.values_mut() {
             if m.info.state() == NodeState::Draining && !busy.contains(&m.info.index) {
                 m.info.set_state(NodeState::Drained);
                 tracing::info!(node = %m.info.node_id, "node drained");
+                drained.push(m.info.node_id.clone());
             }
         }
+        drained
+    }
+
+    /// Puts back what [`Cluster::settle_drains`] did (its commit failed).
+    fn unsettle(&mut self, drained: &[String]) {
+        for id in drained {
+            if let Some(m) = self.members.get_mut(id) {
+                m.info.set_state(NodeState::Draining);
+            }
+        }
+    }
+
+    /// Runs `change`, which alters members and then commits; if it fails,
+    /// puts the members (and the counters and file size a registration
+    /// sets) back as they were, as the failed commit put the map back. So a
+    /// change whose save failed has not half happened: a lease expiry is
+    /// found again at the next tick and retried, a refused registration
+    /// leaves no member that never got its answer, a failed leave or drain
+    /// can be asked again.
+    fn transact<T>(
+        &mut self,
+        change: impl FnOnce(&mut Self) -> Result<T, CoordError>,
+    ) -> Result<T, CoordError> {
+        let undo = Undo {
+            members: self.members.clone(),
+            next_index: self.next_index,
+            next_incarnation: self.next_incarnation,
+            file_size: self.file_size,
+        };
+        let r = change(self);
+        if r.is_err() {
+            self.members = undo.members;
+            self.next_index = undo.next_index;
+            self.next_incarnation = undo.next_incarnation;
+            self.file_size = undo.file_size;
+        }
+        r
     }
 
     /// Clears the handoff once every new owner in it, and every previous
@@ -1063,6 +1115,12 @@ impl Cluster {
             validate_len("topology hostname", &t.hostname, 256)?;
         }
         self.check_identity(&req, Instant::now())?;
+        self.transact(|c| c.admit(req))
+    }
+
+    /// The rest of [`Cluster::register`], once the request is valid: may
+    /// change members before it fails (see [`Cluster::transact`]).
+    fn admit(&mut self, req: RegisterRequest) -> Result<RegisterResponse, CoordError> {
         if self.file_size == 0 {
             if req.file_size.div_ceil(self.params.extent_size) > 1 << 24 {
                 return Err(CoordError::InvalidArgument(
@@ -1234,33 +1292,41 @@ impl Cluster {
 
     pub(crate) fn leave(&mut self, node_id: &str, incarnation: u64) -> Result<u64, CoordError> {
         validate_node_id(node_id)?;
-        let m = self.member_checked(node_id, incarnation)?;
-        m.info.set_state(NodeState::Left);
-        m.lease_deadline = None;
-        tracing::info!(node = %node_id, "node left");
-        self.rebalance("node left")?;
-        Ok(self.epoch)
+        self.transact(|c| {
+            let m = c.member_checked(node_id, incarnation)?;
+            m.info.set_state(NodeState::Left);
+            m.lease_deadline = None;
+            tracing::info!(node = %node_id, "node left");
+            c.rebalance("node left")?;
+            Ok(c.epoch)
+        })
     }
 
     /// Declares dead every node whose lease ran out; returns their ids.
+    /// When the new map cannot be saved nobody is declared dead: the next
+    /// call finds the same expired leases and tries again.
     pub(crate) fn expire_leases(&mut self, now: Instant) -> Result<Vec<String>, CoordError> {
-        let mut dead = Vec::new();
-        for m in self.members.values_mut() {
-            if m.lease_deadline.is_some_and(|d| d <= now) {
-                m.lease_deadline = None;
-                m.info.set_state(NodeState::Dead);
-                m.info.applied_epoch = 0;
-                dead.push(m.info.node_id.clone());
-            }
+        let expired = |m: &Member| m.lease_deadline.is_some_and(|d| d <= now);
+        if !self.members.values().any(expired) {
+            return Ok(Vec::new());
         }
-        if !dead.is_empty() {
+        self.transact(|c| {
+            let mut dead = Vec::new();
+            for m in c.members.values_mut() {
+                if expired(m) {
+                    m.lease_deadline = None;
+                    m.info.set_state(NodeState::Dead);
+                    m.info.applied_epoch = 0;
+                    dead.push(m.info.node_id.clone());
+                }
+            }
+            c.rebalance("lease expired")?;
             for id in &dead {
-                tracing::warn!(node = %id, lease_ms = self.lease_ms(), "node missed its lease: declared dead");
-                self.metrics.deaths.inc();
+                tracing::warn!(node = %id, lease_ms = c.lease_ms(), "node missed its lease: declared dead");
+                c.metrics.deaths.inc();
             }
-            self.rebalance("lease expired")?;
-        }
-        Ok(dead)
+            Ok(dead)
+        })
     }
 
     /// Starts moving every extent off `node_id`. Returns the new epoch and
@@ -1274,6 +1340,11 @@ impl Cluster {
         node_id: &str,
         incarnation: u64,
     ) -> Result<(u64, u64), CoordError> {
+        self.transact(|c| c.start_drain(node_id, incarnation))
+    }
+
+    /// [`Cluster::drain`], which puts back what this changed if it fails.
+    fn start_drain(&mut self, node_id: &str, incarnation: u64) -> Result<(u64, u64), CoordError> {
         validate_node_id(node_id)?;
         if incarnation != 0 {
             self.member_checked(node_id, incarnation)?;
@@ -1321,6 +1392,11 @@ impl Cluster {
     }
 
     pub(crate) fn undrain(&mut self, node_id: &str) -> Result<u64, CoordError> {
+        self.transact(|c| c.end_drain(node_id))
+    }
+
+    /// [`Cluster::undrain`], which puts back what this changed if it fails.
+    fn end_drain(&mut self, node_id: &str) -> Result<u64, CoordError> {
         validate_node_id(node_id)?;
         let m = self
             .members
@@ -1566,6 +1642,143 @@ mod tests {
             }),
             Err(CoordError::NotAlive { .. })
         ));
+    }
+
+    /// The state file, failing the next `fail` saves as a store that did
+    /// not answer.
+    struct Flaky {
+        file: FileStore,
+        fail: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Flaky {
+        fn fail_next(&self, n: usize) {
+            self.fail.store(n, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    impl Store for Flaky {
+        fn save(
+            &self,
+            state: &PersistedState,
+            new_epoch: Option<(u64, &str)>,
+        ) -> Result<(), crate::store::StoreError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            if self
+                .fail
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(crate::store::StoreError::Unavailable("injected".into()));
+            }
+            self.file.save(state, new_epoch)
+        }
+    }
+
+    fn open_flaky(dir: &std::path::Path) -> (Cluster, Arc<Flaky>) {
+        let store = Arc::new(Flaky {
+            file: FileStore {
+                path: dir.join("state"),
+            },
+            fail: 0.into(),
+        });
+        let c = Cluster::new(
+            params(dir),
+            0,
+            crate::config::Config::default().policy().unwrap(),
+            Arc::new(Metrics::new()),
+            store.clone(),
+        );
+        (c, store)
+    }
+
+    /// Two members, handoffs finished; returns their incarnations.
+    fn two_settled(c: &mut Cluster) -> (RegisterResponse, RegisterResponse) {
+        let a = c.register(reg("a")).unwrap();
+        let b = c.register(reg("b")).unwrap();
+        for _ in 0..2 {
+            hb(c, "a", a.incarnation).unwrap();
+            hb(c, "b", b.incarnation).unwrap();
+        }
+        assert!(c.previous.is_empty());
+        (a, b)
+    }
+
+    /// A lease expiry whose map could not be saved is found again at the
+    /// next tick and retried: the dead node does not keep its extents.
+    #[test]
+    fn a_lease_expiry_whose_save_failed_is_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut c, store) = open_flaky(dir.path());
+        let (_, b) = two_settled(&mut c);
+        let epoch = c.epoch;
+        let now = Instant::now() + Duration::from_secs(1);
+        c.members.get_mut("a").unwrap().lease_deadline = Some(now + Duration::from_secs(60));
+        store.fail_next(1);
+        assert!(c.expire_leases(now).is_err());
+        assert_eq!(c.epoch, epoch);
+        assert_eq!(
+            c.members["b"].info.state(),
+            NodeState::Alive,
+            "half a change"
+        );
+        // The next tick.
+        let dead = c.expire_leases(now + Duration::from_millis(10)).unwrap();
+        assert_eq!(dead, vec!["b".to_owned()], "the expiry was not retried");
+        assert_eq!(c.epoch, epoch + 1);
+        assert_eq!(count(&c, b.node_index), 0, "the dead node kept extents");
+        assert!(!c.map().owner.contains(&b.node_index));
+    }
+
+    /// A leave, a drain and a registration whose save failed change no
+    /// member: each can be asked again, and no member is left that never
+    /// got its answer.
+    #[test]
+    fn changes_whose_save_failed_leave_the_members_as_they_were() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut c, store) = open_flaky(dir.path());
+        let (a, b) = two_settled(&mut c);
+        let (epoch, next_inc) = (c.epoch, c.next_incarnation);
+
+        store.fail_next(1);
+        assert!(c.register(reg("c")).is_err());
+        assert!(
+            !c.members.contains_key("c"),
+            "a refused registration stayed"
+        );
+        assert_eq!(c.next_incarnation, next_inc);
+
+        store.fail_next(1);
+        assert!(c.leave("b", b.incarnation).is_err());
+        assert_eq!(c.members["b"].info.state(), NodeState::Alive);
+        c.leave("b", b.incarnation).expect("the leave asked again");
+        assert_eq!(count(&c, b.node_index), 0);
+        assert_eq!(c.epoch, epoch + 1);
+
+        let c2 = c.register(reg("c")).unwrap();
+        for _ in 0..2 {
+            hb(&mut c, "a", a.incarnation).unwrap();
+            hb(&mut c, "c", c2.incarnation).unwrap();
+        }
+        store.fail_next(1);
+        assert!(c.drain("c", 0).is_err());
+        assert_eq!(c.members["c"].info.state(), NodeState::Alive);
+        // A drain that starts, and whose handoff's completion cannot be
+        // saved: the node stays Draining while the map still names it.
+        c.drain("c", 0).unwrap();
+        assert!(c.previous.contains(&c2.node_index));
+        hb(&mut c, "a", a.incarnation).unwrap();
+        store.fail_next(1);
+        assert!(hb(&mut c, "c", c2.incarnation).is_err());
+        assert!(c.previous.contains(&c2.node_index));
+        assert_eq!(
+            c.members["c"].info.state(),
+            NodeState::Draining,
+            "drained while the map still hands its extents off"
+        );
+        hb(&mut c, "c", c2.incarnation).unwrap();
+        assert!(c.previous.is_empty());
+        assert_eq!(c.members["c"].info.state(), NodeState::Drained);
     }
 
     #[test]
