@@ -65,6 +65,9 @@ pub enum CoordError {
     },
     #[error("the state store did not take the change, which is not published: {0}")]
     StoreUnavailable(String),
+    /// A change that could not run to its end (its task panicked).
+    #[error("{0}")]
+    Internal(String),
 }
 
 fn not_leading_message(leader: Option<&str>, problem: Option<&str>) -> String {
@@ -155,6 +158,10 @@ impl From<CoordError> for tonic::Status {
             CoordError::StoreUnavailable(_) => {
                 tracing::warn!(error = %msg, "a change was not stored");
                 tonic::Status::unavailable(msg)
+            }
+            CoordError::Internal(_) => {
+                tracing::error!(error = %msg, "a change failed");
+                tonic::Status::internal(msg)
             }
             CoordError::Persist(_) => {
                 tracing::error!(error = %msg, "persisting state failed");

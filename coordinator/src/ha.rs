@@ -23,6 +23,10 @@
 //!   cluster holds; a follower answers a read only once it has applied the
 //!   revision etcd says is current.
 //! * **problem**: why the store does not answer, and since when.
+//! * **stepped_down**: signalled when this coordinator stops leading (or
+//!   follows another), so that the service loads a state the store
+//!   delivered while it led and that its own cluster does not hold (a save
+//!   that committed but whose answer came too late).
 
 // Without the etcd store only the standalone leadership is used.
 #![cfg_attr(not(feature = "etcd"), allow(dead_code))]
@@ -40,6 +44,7 @@ pub(crate) struct Leadership {
     /// The store, as `Status.store` shows it.
     store: String,
     inner: Mutex<Inner>,
+    stepped_down: tokio::sync::Notify,
 }
 
 struct Inner {
@@ -82,6 +87,7 @@ impl Leadership {
             }),
             me,
             store,
+            stepped_down: tokio::sync::Notify::new(),
         }
     }
 
@@ -98,6 +104,7 @@ impl Leadership {
             }),
             me,
             store,
+            stepped_down: tokio::sync::Notify::new(),
         }
     }
 
@@ -173,16 +180,29 @@ impl Leadership {
     /// Stops leading (if it did) and follows `leader` (`None`: unknown).
     /// Returns whether this coordinator was leading.
     pub(crate) fn follow(&self, leader: Option<String>) -> bool {
-        let mut i = self.lock();
-        let was = i.role == CoordinatorRole::Leader;
-        i.term += 1;
-        i.role = if leader.is_some() {
-            CoordinatorRole::Follower
-        } else {
-            CoordinatorRole::Candidate
+        let was = {
+            let mut i = self.lock();
+            let was = i.role == CoordinatorRole::Leader;
+            i.term += 1;
+            i.role = if leader.is_some() {
+                CoordinatorRole::Follower
+            } else {
+                CoordinatorRole::Candidate
+            };
+            i.leader = leader;
+            was
         };
-        i.leader = leader;
+        // One waiter (the service's event loop); a permit is kept if it is
+        // busy, so no step-down goes unnoticed.
+        self.stepped_down.notify_one();
         was
+    }
+
+    /// Completes after [`Leadership::follow`] was called (at once if it was
+    /// called since the last wait).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) async fn stepped_down(&self) {
+        self.stepped_down.notified().await;
     }
 
     /// The etcd session is trusted until `until` (a keep-alive answered).

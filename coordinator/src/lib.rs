@@ -209,7 +209,8 @@ pub async fn run(
     } else {
         cfg.advertise.clone()
     };
-    let (cluster, ha) = match &spec {
+    #[allow(unused_mut)]
+    let (mut cluster, ha) = match &spec {
         store::StoreSpec::File(path) => {
             let params = state::Params {
                 state_file: path.clone(),
@@ -248,6 +249,20 @@ pub async fn run(
         ca_file,
         domain: cfg.tls.node_domain.clone(),
     });
+    #[cfg(feature = "etcd")]
+    let mut etcd_events = None;
+    #[cfg(feature = "etcd")]
+    let mut etcd_store = None;
+    #[cfg(feature = "etcd")]
+    if let store::StoreSpec::Etcd(endpoints) = &spec {
+        let opts = etcd_options(&cfg, endpoints.clone())?;
+        let (etcd, rx) = store::etcd::EtcdStore::connect(opts, ha.clone(), metrics.clone())
+            .await
+            .map_err(StartError::Store)?;
+        cluster.set_store(etcd.clone());
+        etcd_store = Some(etcd);
+        etcd_events = Some(rx);
+    }
     #[allow(unused_mut)]
     let mut shared = service::Shared::new(
         cluster,
@@ -257,19 +272,11 @@ pub async fn run(
         node_tls,
         Duration::from_millis(cfg.node_rpc_timeout_ms),
     );
-    let mut background = tokio::task::JoinSet::new();
     #[cfg(feature = "etcd")]
-    let mut etcd_events = None;
-    #[cfg(feature = "etcd")]
-    if let store::StoreSpec::Etcd(endpoints) = &spec {
-        let opts = etcd_options(&cfg, endpoints.clone())?;
-        let (etcd, rx) = store::etcd::EtcdStore::connect(opts, ha.clone(), metrics.clone())
-            .await
-            .map_err(StartError::Store)?;
-        shared.cluster().set_store(etcd.clone());
-        shared.etcd = Some(etcd);
-        etcd_events = Some(rx);
+    {
+        shared.etcd = etcd_store;
     }
+    let mut background = tokio::task::JoinSet::new();
     let shared = Arc::new(shared);
     #[cfg(feature = "etcd")]
     let (fatal_tx, fatal_rx) = tokio::sync::oneshot::channel::<StartError>();
@@ -355,12 +362,10 @@ pub async fn run(
         let r = shutdown.await;
         // Persist before anything is handed over (a follower saves nothing).
         if stopping.ha.is_leading() {
-            let epoch = {
-                let c = stopping.cluster();
-                c.save().map(|()| c.epoch())
-            };
+            let epoch = stopping.blocking(|c| c.save().map(|()| c.epoch())).await;
             match epoch {
-                Ok(epoch) => tracing::info!(epoch, "state persisted"),
+                Ok(Ok(epoch)) => tracing::info!(epoch, "state persisted"),
+                Ok(Err(e)) => tracing::error!(error = %e, "cannot persist the state on shutdown"),
                 Err(e) => tracing::error!(error = %e, "cannot persist the state on shutdown"),
             }
         }

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pagewire_proto::auth::AttachToken;
@@ -24,12 +24,17 @@ use tonic::{Request, Response, Status};
 use crate::error::CoordError;
 use crate::ha::Leadership;
 use crate::metrics::Metrics;
-use crate::state::Cluster;
+use crate::state::{Cluster, Published};
 
 type Client = NodeClient<InterceptedService<Channel, AttachToken>>;
 
 pub(crate) struct Shared {
-    pub(crate) cluster: Mutex<Cluster>,
+    /// An async mutex: a change holds it across its save, which runs on a
+    /// blocking thread ([`Shared::write`]), so a call waiting for it waits
+    /// without holding a runtime worker.
+    cluster: Arc<tokio::sync::Mutex<Cluster>>,
+    /// The published map, read without the cluster lock.
+    published: tokio::sync::watch::Receiver<Arc<Published>>,
     pub(crate) ha: Arc<Leadership>,
     #[cfg(feature = "etcd")]
     pub(crate) etcd: Option<Arc<crate::store::etcd::EtcdStore>>,
@@ -52,7 +57,8 @@ impl Shared {
         node_timeout: Duration,
     ) -> Self {
         Self {
-            cluster: Mutex::new(cluster),
+            published: cluster.subscribe(),
+            cluster: Arc::new(tokio::sync::Mutex::new(cluster)),
             ha,
             #[cfg(feature = "etcd")]
             etcd: None,
@@ -65,16 +71,46 @@ impl Shared {
         }
     }
 
-    /// The cluster, even if a panic poisoned the lock (every method leaves
-    /// the state consistent before anything can panic).
-    pub(crate) fn cluster(&self) -> MutexGuard<'_, Cluster> {
-        self.cluster.lock().unwrap_or_else(|e| e.into_inner())
+    /// The cluster, for what does not save (a save may hold it for up to
+    /// the store's request timeout: use [`Shared::write`] or
+    /// [`Shared::blocking`]).
+    pub(crate) async fn cluster(&self) -> tokio::sync::MutexGuard<'_, Cluster> {
+        self.cluster.lock().await
     }
 
-    /// The cluster, for a write: refused unless this coordinator leads.
-    fn leading(&self) -> Result<MutexGuard<'_, Cluster>, Status> {
+    /// The map published last (it is in the store).
+    pub(crate) fn published(&self) -> Arc<Published> {
+        self.published.borrow().clone()
+    }
+
+    /// Runs `f` on the cluster on a blocking thread, holding the cluster
+    /// lock throughout: the store's save inside it blocks that thread, not
+    /// a runtime worker. Calls queue on the lock in order; one whose caller
+    /// went away while it ran still completes (a change is never left half
+    /// done).
+    pub(crate) async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Cluster) -> T + Send + 'static,
+    ) -> Result<T, tokio::task::JoinError> {
+        let mut c = self.cluster.clone().lock_owned().await;
+        tokio::task::spawn_blocking(move || f(&mut c)).await
+    }
+
+    /// A change (it saves): refused unless this coordinator leads, before
+    /// and after waiting for the lock.
+    async fn write<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Cluster) -> Result<T, CoordError> + Send + 'static,
+    ) -> Result<T, Status> {
         self.ha.check_write().map_err(Status::from)?;
-        Ok(self.cluster())
+        let ha = self.ha.clone();
+        self.blocking(move |c| {
+            ha.check_write()?;
+            f(c)
+        })
+        .await
+        .unwrap_or_else(|e| Err(CoordError::Internal(format!("the change failed: {e}"))))
+        .map_err(Status::from)
     }
 
     /// Waits until this coordinator's copy of the state is the store's
@@ -92,15 +128,23 @@ impl Shared {
         Err("this coordinator does not lead".into())
     }
 
-    /// A read that must be current: refused while it cannot be confirmed.
-    async fn confirmed(&self) -> Result<MutexGuard<'_, Cluster>, Status> {
-        match self.confirm_read().await {
-            Ok(()) => Ok(self.cluster()),
-            Err(why) => Err(Status::from(CoordError::NotLeading {
-                leader: self.ha.leader(),
-                problem: Some(format!("cannot confirm the state with the store: {why}")),
-            })),
-        }
+    /// A read that must be current: refused while it cannot be confirmed,
+    /// naming the leader if one is known.
+    async fn confirmed(&self) -> Result<(), Status> {
+        self.confirm_read().await.map_err(|why| {
+            let leader = self.ha.leader().filter(|l| l != self.ha.me());
+            let msg = match &leader {
+                Some(l) => format!(
+                    "this coordinator cannot confirm its copy of the state with the store \
+                     ({why}); ask the leader, {l}"
+                ),
+                None => format!(
+                    "this coordinator cannot confirm its copy of the state with the store \
+                     ({why}), and no leader is known now"
+                ),
+            };
+            pagewire_proto::leader::not_leading(msg, leader.as_deref())
+        })
     }
 
     /// Every coordinator sharing the store, with its role as this one sees it.
@@ -155,8 +199,21 @@ impl Shared {
             if !self.ha.is_leading() {
                 continue;
             }
-            if let Err(e) = self.cluster().expire_leases(Instant::now()) {
-                tracing::error!(error = %e, "could not publish the map after a lease expired; retrying");
+            let ha = self.ha.clone();
+            let r = self
+                .blocking(move |c| {
+                    if !ha.is_leading() {
+                        return Ok(Vec::new());
+                    }
+                    c.expire_leases(Instant::now())
+                })
+                .await;
+            match r {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::error!(error = %e, "could not publish the map after a lease expired; retrying")
+                }
+                Err(e) => tracing::error!(error = %e, "the lease check failed; retrying"),
             }
         }
     }
@@ -237,7 +294,8 @@ impl CoordinatorService {
         op: RangeOp,
         range: Option<ByteRange>,
     ) -> Result<ClusterRangeResponse, Status> {
-        let map = self.shared.leading()?.map();
+        self.shared.ha.check_write().map_err(Status::from)?;
+        let map = self.shared.published().map.clone();
         let plan = runs_by_owner(&map, range)?;
         let mut results = Vec::new();
         let mut calls = tokio::task::JoinSet::new();
@@ -245,7 +303,7 @@ impl CoordinatorService {
             let addr = if owner == 0 {
                 None
             } else {
-                self.shared.cluster().node_address(owner)
+                self.shared.cluster().await.node_address(owner)
             };
             let Some((node_id, address)) = addr else {
                 results.push(NodeRangeResult {
@@ -326,10 +384,8 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
-        let r = self
-            .shared
-            .leading()
-            .and_then(|mut c| c.register(req.into_inner()).map_err(Status::from));
+        let req = req.into_inner();
+        let r = self.shared.write(move |c| c.register(req)).await;
         self.track("Register", r)
     }
 
@@ -337,20 +393,20 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        let r = self
-            .shared
-            .leading()
-            .and_then(|mut c| c.heartbeat(req.into_inner()).map_err(Status::from));
+        let req = req.into_inner();
+        let r = self.shared.write(move |c| c.heartbeat(req)).await;
         self.track("Heartbeat", r)
     }
 
     async fn leave(&self, req: Request<LeaveRequest>) -> Result<Response<LeaveResponse>, Status> {
         let req = req.into_inner();
-        let r = self.shared.leading().and_then(|mut c| {
-            c.leave(&req.node_id, req.incarnation)
-                .map(|map_epoch| LeaveResponse { map_epoch })
-                .map_err(Status::from)
-        });
+        let r = self
+            .shared
+            .write(move |c| {
+                c.leave(&req.node_id, req.incarnation)
+                    .map(|map_epoch| LeaveResponse { map_epoch })
+            })
+            .await;
         self.track("Leave", r)
     }
 
@@ -362,7 +418,17 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<MapStream>, Status> {
         let req = req.into_inner();
         let min = req.min_epoch;
-        let rx = self.shared.cluster().subscribe();
+        // A follower streams only a copy it confirmed with the store, as
+        // GetMap answers: its copy may lag (its watch on the store broke,
+        // or it led and stepped down), and a node takes the first map of a
+        // stream for the cluster's. Refused otherwise, naming the leader,
+        // so the node asks another coordinator.
+        if let Err(s) = self.shared.confirmed().await {
+            return self.track("WatchMap", Err(s));
+        }
+        // Subscribed after the confirmation: the first map sent is at
+        // least the confirmed one.
+        let rx = self.shared.published.clone();
         let stream = WatchStream::new(rx).filter(move |p| p.map.epoch >= min);
         // Ends when the coordinator stops, so that a graceful shutdown
         // does not wait for ever on streams that never end by themselves.
@@ -404,16 +470,16 @@ impl Coordinator for CoordinatorService {
 
     async fn get_map(&self, req: Request<GetMapRequest>) -> Result<Response<OwnershipMap>, Status> {
         let compact = req.into_inner().compact;
-        let r = self.shared.confirmed().await.map(|cluster| {
+        let r = self.shared.confirmed().await.map(|()| {
+            let p = self.shared.published();
             if compact {
-                let compact = cluster.compact_map();
                 return OwnershipMap {
-                    epoch: compact.epoch,
-                    compact: Some((*compact).clone()),
+                    epoch: p.compact.epoch,
+                    compact: Some((*p.compact).clone()),
                     ..Default::default()
                 };
             }
-            (*cluster.map()).clone()
+            (*p.map).clone()
         });
         self.track("GetMap", r)
     }
@@ -438,11 +504,12 @@ impl Coordinator for CoordinatorService {
             );
             return self.track("ListNodes", Err(s));
         }
-        let r = self
-            .shared
-            .confirmed()
-            .await
-            .map(|c| ListNodesResponse { nodes: c.nodes() });
+        let r = match self.shared.confirmed().await {
+            Ok(()) => Ok(ListNodesResponse {
+                nodes: self.shared.cluster().await.nodes(),
+            }),
+            Err(s) => Err(s),
+        };
         self.track("ListNodes", r)
     }
 
@@ -454,7 +521,7 @@ impl Coordinator for CoordinatorService {
         // could not confirm its state, which clients must not take as a
         // confirmation of their map.
         let confirmed = self.shared.confirm_read().await;
-        let mut s = self.shared.cluster().status();
+        let mut s = self.shared.cluster().await.status();
         let view = self.shared.ha.view();
         s.store = self.shared.ha.store().to_owned();
         s.role = view.role.into();
@@ -471,27 +538,31 @@ impl Coordinator for CoordinatorService {
     }
 
     async fn drain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        let r = self.shared.leading().and_then(|mut c| {
-            let req = req.into_inner();
-            c.drain(&req.node_id, req.incarnation)
-                .map(|(map_epoch, extents_moved)| DrainResponse {
-                    map_epoch,
-                    extents_moved,
-                })
-                .map_err(Status::from)
-        });
+        let req = req.into_inner();
+        let r = self
+            .shared
+            .write(move |c| {
+                c.drain(&req.node_id, req.incarnation)
+                    .map(|(map_epoch, extents_moved)| DrainResponse {
+                        map_epoch,
+                        extents_moved,
+                    })
+            })
+            .await;
         self.track("Drain", r)
     }
 
     async fn undrain(&self, req: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
-        let r = self.shared.leading().and_then(|mut c| {
-            c.undrain(&req.into_inner().node_id)
-                .map(|map_epoch| DrainResponse {
+        let node_id = req.into_inner().node_id;
+        let r = self
+            .shared
+            .write(move |c| {
+                c.undrain(&node_id).map(|map_epoch| DrainResponse {
                     map_epoch,
                     extents_moved: 0,
                 })
-                .map_err(Status::from)
-        });
+            })
+            .await;
         self.track("Undrain", r)
     }
 
@@ -517,13 +588,15 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<SetPolicyResponse>, Status> {
         let r = match req.into_inner().policy {
             None => Err(Status::invalid_argument("policy is required")),
-            Some(p) => self.shared.leading().and_then(|mut c| {
-                c.set_policy(p)
-                    .map(|policy| SetPolicyResponse {
-                        policy: Some(policy),
+            Some(p) => {
+                self.shared
+                    .write(move |c| {
+                        c.set_policy(p).map(|policy| SetPolicyResponse {
+                            policy: Some(policy),
+                        })
                     })
-                    .map_err(Status::from)
-            }),
+                    .await
+            }
         };
         self.track("SetPolicy", r)
     }
@@ -532,6 +605,190 @@ impl Coordinator for CoordinatorService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use crate::persist::PersistedState;
+    use crate::store::{Store, StoreError};
+
+    /// A store that keeps nothing and takes `delay_ms` per save (an etcd
+    /// that answers slowly), recording the epochs saved.
+    #[derive(Default)]
+    struct Slow {
+        delay_ms: AtomicU64,
+        epochs: Mutex<Vec<u64>>,
+    }
+
+    impl Store for Slow {
+        fn save(&self, _: &PersistedState, e: Option<(u64, &str)>) -> Result<(), StoreError> {
+            std::thread::sleep(Duration::from_millis(self.delay_ms.load(Ordering::SeqCst)));
+            if let Some((e, _)) = e {
+                self.epochs.lock().unwrap().push(e);
+            }
+            Ok(())
+        }
+    }
+
+    fn service(store: Arc<dyn Store>, ha: Leadership) -> CoordinatorService {
+        let params = crate::state::Params {
+            cluster_name: "t".into(),
+            extent_size: 1 << 16,
+            page_size: 4096,
+            lease: Duration::from_secs(60),
+            heartbeat_interval: Duration::from_secs(1),
+            state_file: "unused".into(),
+        };
+        let metrics = Arc::new(Metrics::new());
+        let cluster = Cluster::new(
+            params,
+            0,
+            crate::config::Config::default().policy().unwrap(),
+            metrics.clone(),
+            store,
+        );
+        CoordinatorService {
+            shared: Arc::new(Shared::new(
+                cluster,
+                Arc::new(ha),
+                metrics,
+                AttachToken::new("a-test-token").unwrap(),
+                None,
+                Duration::from_secs(1),
+            )),
+        }
+    }
+
+    fn leader() -> Leadership {
+        Leadership::standalone("me:1".into(), "test".into())
+    }
+
+    fn reg(id: &str) -> Request<RegisterRequest> {
+        Request::new(RegisterRequest {
+            node_id: id.into(),
+            grpc_address: "127.0.0.1:9".into(),
+            capacity_bytes: 1 << 30,
+            file_size: 256 << 16,
+            page_size: 4096,
+            ..Default::default()
+        })
+    }
+
+    /// A save that takes long (up to the store's request timeout) holds no
+    /// runtime worker: on a runtime with one worker, timers still fire and
+    /// the published map is served while it runs.
+    #[test]
+    fn a_slow_save_blocks_no_runtime_worker() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let store = Arc::new(Slow::default());
+            let svc = service(store.clone(), leader());
+            svc.register(reg("a")).await.unwrap();
+            svc.register(reg("b")).await.unwrap();
+            let epoch = svc.shared.published().map.epoch;
+            store.delay_ms.store(1500, Ordering::SeqCst);
+            let s = svc.clone();
+            let drain = tokio::spawn(async move {
+                s.drain(Request::new(DrainRequest {
+                    node_id: "b".into(),
+                    incarnation: 0,
+                }))
+                .await
+            });
+            // Timers are driven by the runtime's worker.
+            let t0 = Instant::now();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let slept = t0.elapsed();
+            assert!(
+                slept < Duration::from_millis(700),
+                "a 200 ms sleep took {slept:?}: the save holds the runtime's worker"
+            );
+            // A task on the runtime: its 10 ms timer.
+            let t0 = Instant::now();
+            let timer = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                t0.elapsed()
+            });
+            let late = timer.await.unwrap();
+            assert!(
+                late < Duration::from_millis(500),
+                "a 10 ms timer fired after {late:?}: the save holds the runtime's worker"
+            );
+            let t0 = Instant::now();
+            let m = svc
+                .get_map(Request::new(GetMapRequest::default()))
+                .await
+                .unwrap()
+                .into_inner();
+            let took = t0.elapsed();
+            assert!(
+                took < Duration::from_millis(500),
+                "GetMap took {took:?} during a save"
+            );
+            assert_eq!(m.epoch, epoch, "an epoch not saved yet was served");
+            let r = drain.await.unwrap().unwrap().into_inner();
+            assert_eq!(r.map_epoch, epoch + 1);
+            assert_eq!(svc.shared.published().map.epoch, epoch + 1);
+        });
+    }
+
+    /// Concurrent changes are saved one at a time, each epoch once and in
+    /// order, and each answer names what it did.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_changes_are_saved_one_at_a_time() {
+        let store = Arc::new(Slow::default());
+        store.delay_ms.store(5, Ordering::SeqCst);
+        let svc = service(store.clone(), leader());
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..12 {
+            let s = svc.clone();
+            calls.spawn(async move { s.register(reg(&format!("n{i}"))).await });
+        }
+        let mut indices = Vec::new();
+        while let Some(r) = calls.join_next().await {
+            indices.push(r.unwrap().unwrap().into_inner().node_index);
+        }
+        indices.sort_unstable();
+        indices.dedup();
+        assert_eq!(indices.len(), 12, "two registrations got one index");
+        let epochs = store.epochs.lock().unwrap().clone();
+        assert!(
+            epochs.windows(2).all(|w| w[1] == w[0] + 1),
+            "epochs saved out of order or twice: {epochs:?}"
+        );
+        let m = svc.shared.published();
+        assert_eq!(Some(&m.map.epoch), epochs.last());
+        assert_eq!(m.map.nodes.len(), 12);
+    }
+
+    /// A follower that cannot confirm its copy with the store streams no
+    /// map: it refuses, naming the leader, as GetMap does.
+    #[tokio::test]
+    async fn a_follower_that_cannot_confirm_its_copy_streams_no_map() {
+        let ha = Leadership::candidate("me:1".into(), "etcd://x:1".into());
+        ha.follow(Some("leader:2".into()));
+        let svc = service(Arc::new(Slow::default()), ha);
+        let refused = match svc
+            .watch_map(Request::new(WatchMapRequest::default()))
+            .await
+        {
+            Ok(_) => panic!("a follower streamed a map it had not confirmed"),
+            Err(s) => s,
+        };
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        assert_eq!(
+            pagewire_proto::leader::leader_hint(&refused).as_deref(),
+            Some("leader:2"),
+            "{refused:?}"
+        );
+        assert!(
+            svc.get_map(Request::new(GetMapRequest::default()))
+                .await
+                .is_err()
+        );
+    }
 
     #[test]
     fn ranges_split_by_owner_and_merge() {

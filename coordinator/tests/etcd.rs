@@ -25,7 +25,7 @@ use pagewire_proto::v1::coordinator_client::CoordinatorClient;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{
     CoordinatorRole, DrainRequest, GetMapRequest, ListNodesRequest, NodeState, OwnershipMap,
-    PageRun, ReadRequest, StatusRequest, StatusResponse,
+    PageRun, ReadRequest, RegisterRequest, StatusRequest, StatusResponse, WatchMapRequest,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -313,6 +313,12 @@ impl World {
     }
 
     fn start_coordinator(&mut self, i: usize) {
+        let endpoints = self.endpoints();
+        self.start_coordinator_on(i, &endpoints);
+    }
+
+    /// Starts coordinator `i` reaching etcd through `endpoints` only.
+    fn start_coordinator_on(&mut self, i: usize, endpoints: &str) {
         let log = self.path(&format!("coordinator-{i}.log"));
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -328,7 +334,7 @@ impl World {
             .arg("--token-file")
             .arg(self.path("token"))
             .arg("--store")
-            .arg(format!("etcd://{}", self.endpoints()))
+            .arg(format!("etcd://{endpoints}"))
             .arg("--lease-ms")
             .arg(NODE_LEASE_MS.to_string())
             .arg("--extent-size")
@@ -427,6 +433,46 @@ impl World {
                 .await
                 .ok()
                 .map(|r| r.into_inner())
+        })
+    }
+
+    /// Registers a node that is never started (no heartbeat: its lease, of
+    /// `NODE_LEASE_MS`, outlasts the test) through coordinator `i`; returns
+    /// the epoch of the map it got.
+    fn register_absent(&self, i: usize, node: &str) -> Result<u64, tonic::Status> {
+        let port = self.coord_ports[i];
+        let node = node.to_owned();
+        rt().block_on(async move {
+            let mut c = coord(port)
+                .await
+                .ok_or_else(|| tonic::Status::unavailable("no connection"))?;
+            let r = c
+                .register(RegisterRequest {
+                    node_id: node,
+                    grpc_address: "127.0.0.1:9".into(),
+                    capacity_bytes: 1 << 30,
+                    file_size: FILE,
+                    page_size: PAGE as u32,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            Ok(r.map.map_or(0, |m| m.epoch))
+        })
+    }
+
+    /// The epoch of the first map coordinator `i` streams to a watcher.
+    fn first_watched(&self, i: usize) -> Result<u64, tonic::Status> {
+        let port = self.coord_ports[i];
+        rt().block_on(async move {
+            let mut c = coord(port)
+                .await
+                .ok_or_else(|| tonic::Status::unavailable("no connection"))?;
+            let mut maps = c.watch_map(WatchMapRequest::default()).await?.into_inner();
+            match maps.message().await? {
+                Some(m) => Ok(m.epoch),
+                None => Err(tonic::Status::aborted("the stream ended with no map")),
+            }
         })
     }
 
@@ -1072,5 +1118,81 @@ fn etcd_with_authentication_needs_the_user_and_password() {
     eprintln!(
         "etcd with authentication: led and published epoch {}",
         m.epoch
+    );
+}
+
+/// A follower whose copy of the state lags (it reaches etcd through one
+/// member only, which dies) streams no map to a node: its copy may be older
+/// than one the node applied. It refuses, as GetMap does, and a follower
+/// that can confirm its copy streams the current map.
+#[test]
+fn a_follower_cut_off_from_etcd_streams_no_stale_map() {
+    if !etcd_available() {
+        return;
+    }
+    let mut w = World::new("watch");
+    w.start_coordinator(0);
+    w.wait_for("coordinator-0 to lead", Duration::from_secs(30), |w| {
+        w.leader(&[0]).is_some()
+    });
+    w.start_coordinator(1);
+    let only = format!("127.0.0.1:{}", w.etcd_client[2]);
+    w.start_coordinator_on(2, &only);
+    let e1 = w
+        .register_absent(0, "absent-a")
+        .expect("register through the leader");
+    assert!(e1 > 0);
+    for i in [1, 2] {
+        w.wait_for(
+            "the followers to hold the map",
+            Duration::from_secs(30),
+            |w| {
+                w.status(i).is_some_and(|s| {
+                    s.role() == CoordinatorRole::Follower && s.store_problem.is_empty()
+                }) && w.map(i).is_some_and(|m| m.epoch == e1)
+            },
+        );
+    }
+    assert_eq!(
+        w.first_watched(2).expect("a confirmed follower streams"),
+        e1
+    );
+
+    w.etcd[2].kill9();
+    let mut e2 = 0;
+    w.wait_for(
+        "a map change with etcd member 2 down",
+        Duration::from_secs(15),
+        |w| match w.register_absent(0, "absent-b") {
+            Ok(e) => {
+                e2 = e;
+                true
+            }
+            Err(_) => false,
+        },
+    );
+    assert!(e2 > e1);
+    match w.first_watched(2) {
+        Ok(epoch) => panic!(
+            "coordinator-2, cut off from etcd, streamed epoch {epoch} while the cluster is at {e2}"
+        ),
+        Err(s) => {
+            // Refused as not leading, naming the leader if it knows it
+            // still (its etcd session may have ended meanwhile).
+            assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+            assert!(s.message().contains("cannot confirm"), "{s:?}");
+            if let Some(l) = pagewire_proto::leader::leader_hint(&s) {
+                assert_eq!(l, format!("127.0.0.1:{}", w.coord_ports[0]), "{s:?}");
+            }
+            eprintln!(
+                "coordinator-2, cut off from etcd, refused WatchMap: {}",
+                s.message()
+            );
+        }
+    }
+    w.wait_for(
+        "coordinator-1 to stream the current map",
+        Duration::from_secs(15),
+        |w| w.first_watched(1).is_ok_and(|e| e == e2),
     );
 }
