@@ -162,6 +162,23 @@ impl ReaderStats {
         self.round_trips += other.round_trips;
         self.bytes += other.bytes;
     }
+    /// Raises each counter to `other`'s where that is larger: a total that
+    /// must only grow, kept from sums that can miss a part for a while.
+    pub fn max_each(&mut self, other: &ReaderStats) {
+        self.reads = self.reads.max(other.reads);
+        self.warm_hits = self.warm_hits.max(other.warm_hits);
+        self.cold_hits = self.cold_hits.max(other.cold_hits);
+        self.bucket_reads = self.bucket_reads.max(other.bucket_reads);
+        self.overflow_hops = self.overflow_hops.max(other.overflow_hops);
+        self.ctrl_rereads = self.ctrl_rereads.max(other.ctrl_rereads);
+        self.retries = self.retries.max(other.retries);
+        self.validation_failures = self.validation_failures.max(other.validation_failures);
+        self.torn_buckets = self.torn_buckets.max(other.torn_buckets);
+        self.absent = self.absent.max(other.absent);
+        self.gave_up = self.gave_up.max(other.gave_up);
+        self.round_trips = self.round_trips.max(other.round_trips);
+        self.bytes = self.bytes.max(other.bytes);
+    }
 }
 
 /// A one-sided reader of one owner's region over one connection.

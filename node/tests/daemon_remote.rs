@@ -281,15 +281,30 @@ fn a_node_serves_its_region_one_sidedly_over_shm_and_tcp() {
     // A write acknowledged over gRPC is seen through the stale index cache.
     let mut page = vec![0u8; PS];
     pattern::fill(5, 1, &mut page);
+    // A node's writes wait one lease + margin after its first map (it
+    // cannot tell a first start from a restart in place): retry until then.
     rt.block_on(async {
-        client(grpc)
-            .await
-            .write(WriteRequest {
-                page: 5,
-                data: page.clone(),
-                map_epoch: 0,
-            })
-            .await
+        let mut c = client(grpc).await;
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let r = c
+                .write(WriteRequest {
+                    page: 5,
+                    data: page.clone(),
+                    map_epoch: 0,
+                })
+                .await;
+            match r {
+                Err(s)
+                    if s.code() == tonic::Code::Unavailable
+                        && s.message().contains("wait")
+                        && std::time::Instant::now() < end =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await
+                }
+                r => return r,
+            }
+        }
     })
     .unwrap();
     let mut buf = vec![0u8; PS];

@@ -642,3 +642,140 @@ mod tests {
         );
     }
 }
+
+/// Issue 18, finding 7: a read of a page this node does not serve goes to
+/// the owner over the network; no lock the map's application needs may be
+/// held meanwhile.
+#[cfg(test)]
+mod frozen_owner_tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex, mpsc};
+    use std::time::{Duration, Instant};
+
+    use pagewire_proto::v1::node_server::Node as _;
+    use pagewire_proto::v1::{MapNode, OwnershipMap, PageRun, ReadRequest};
+
+    use super::service::NodeService;
+    use super::{DaemonError, Node, PageSource};
+    use crate::{CacheConfig, PageCache};
+
+    const PAGE: u64 = 4096;
+    const PPE: u64 = 4;
+
+    /// An owner that does not answer (frozen) until told to.
+    struct Frozen {
+        entered: Mutex<Option<mpsc::Sender<()>>>,
+        release: Mutex<mpsc::Receiver<()>>,
+    }
+
+    impl PageSource for Frozen {
+        fn read(
+            &self,
+            _owner: &MapNode,
+            _epoch: u64,
+            _first: u64,
+            count: u64,
+        ) -> Result<(Vec<u8>, Vec<u64>), DaemonError> {
+            if let Some(tx) = self.entered.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            let _ = self
+                .release
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(10));
+            Ok((vec![0; (count * PAGE) as usize], vec![0; count as usize]))
+        }
+    }
+
+    fn map(epoch: u64, owner: &[u32]) -> OwnershipMap {
+        OwnershipMap {
+            epoch,
+            extent_size: PPE * PAGE,
+            page_size: PAGE as u32,
+            owner: owner.to_vec(),
+            nodes: [1, 2]
+                .into_iter()
+                .map(|index| MapNode {
+                    index,
+                    node_id: format!("n{index}"),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_frozen_owner_does_not_hold_up_the_next_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data.bin");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(4 * PPE * PAGE)
+            .unwrap();
+        let cache = PageCache::open(
+            &path,
+            CacheConfig {
+                frames: 64,
+                readahead_max: 0,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut node = Node::new(
+            &super::Config::default(),
+            "t".into(),
+            Arc::new(cache),
+            None,
+            None,
+        );
+        let (entered_tx, entered) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        node.page_source = Some(Arc::new(Frozen {
+            entered: Mutex::new(Some(entered_tx)),
+            release: Mutex::new(release_rx),
+        }));
+        node.index.store(1, Ordering::Relaxed);
+        node.lease.renew(Instant::now(), Duration::from_secs(30));
+        let node = Arc::new(node);
+        let generation = node.generation.load(Ordering::Acquire);
+        node.apply_map(map(1, &[1, 2, 2, 1]), generation);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let svc = NodeService { node: node.clone() };
+        // A read of extent 1 (node 2's): it waits on the frozen owner.
+        let read = rt.spawn(async move {
+            svc.read(tonic::Request::new(ReadRequest {
+                run: Some(PageRun {
+                    first_page: PPE,
+                    page_count: 1,
+                }),
+                map_epoch: 1,
+            }))
+            .await
+        });
+        entered
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the read reached the owner");
+        // The next map must apply while that read waits.
+        let (done_tx, done) = mpsc::channel();
+        let n = node.clone();
+        std::thread::spawn(move || {
+            n.apply_map(map(2, &[1, 2, 2, 2]), generation);
+            let _ = done_tx.send(());
+        });
+        let applied = done.recv_timeout(Duration::from_secs(2)).is_ok();
+        let _ = release.send(());
+        let answer = rt.block_on(read).unwrap();
+        assert!(
+            applied,
+            "the map's application waited for a read stuck on a frozen owner"
+        );
+        assert_eq!(node.applied_epoch(), 2);
+        assert!(answer.is_ok(), "{answer:?}");
+    }
+}

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use pagewire_proto::v1::node_server::Node as NodeRpc;
 use pagewire_proto::v1::{
-    FaultInRequest, FaultInResponse, FrameLocation, NodeRangeRequest, NodeRangeResponse, PageRun,
-    ReadRequest, ReadResponse, StatsRequest, StatsResponse, TopologyRequest, TopologyResponse,
-    TransportsRequest, TransportsResponse, WriteRequest, WriteResponse,
+    FaultInRequest, FaultInResponse, FrameLocation, MapNode, NodeRangeRequest, NodeRangeResponse,
+    PageRun, ReadRequest, ReadResponse, StatsRequest, StatsResponse, TopologyRequest,
+    TopologyResponse, TransportsRequest, TransportsResponse, WriteRequest, WriteResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -166,8 +166,93 @@ impl Node {
         Ok(out)
     }
 
+    /// Reads `first..first + count` for a `Read` call: the pages this node
+    /// serves from its cache under the applied map's read lock, then, with
+    /// no lock held, the pages of extents other nodes own from their owners
+    /// (network I/O: an owner frozen or cut off must not hold up the next
+    /// map, whose application takes the write lock, nor this node's lease,
+    /// which needs that map applied). The lease is checked once more after
+    /// everything was read, as in [`Node::serve`]: that check, not the lock,
+    /// is what bounds how long the map the owners were taken from is
+    /// trusted (ARCHITECTURE.md, "Ownership, leases and writes").
+    /// Returns the bytes, each page's frame generation and the epoch.
+    pub(crate) fn read_pages(
+        &self,
+        first: u64,
+        count: u64,
+        map_epoch: u64,
+    ) -> Result<(Vec<u8>, Vec<u64>, u64), DaemonError> {
+        enum Part {
+            Cached(Vec<u8>, Vec<u64>),
+            Owner(MapNode, u64, u64),
+        }
+        let ps = self.cache.page_size();
+        let (parts, epoch) = {
+            let guard = self.view.read().unwrap_or_else(|e| e.into_inner());
+            let view = guard.as_deref().ok_or(DaemonError::NoMap)?;
+            let segments = self.admit(view, first, count, map_epoch, Access::Read)?;
+            let mut parts = Vec::with_capacity(segments.len());
+            for seg in segments {
+                parts.push(match seg {
+                    Segment::Cache { first, count } => {
+                        let n = usize::try_from(count).unwrap_or(0);
+                        let (mut data, mut gens) =
+                            (Vec::with_capacity(n * ps), Vec::with_capacity(n));
+                        for page in first..first + count {
+                            let r = self.cache.get(page)?;
+                            gens.push(r.frame_generation().unwrap_or(0));
+                            data.extend_from_slice(&r);
+                        }
+                        Part::Cached(data, gens)
+                    }
+                    Segment::Source {
+                        owner,
+                        first,
+                        count,
+                    } => {
+                        let node = view
+                            .map
+                            .nodes
+                            .iter()
+                            .find(|n| n.index == owner)
+                            .ok_or_else(|| {
+                                DaemonError::StaleMap(format!(
+                                    "node index {owner} owns page {first} but is not in the map"
+                                ))
+                            })?;
+                        Part::Owner(node.clone(), first, count)
+                    }
+                });
+            }
+            (parts, view.map.epoch)
+        };
+        let n = usize::try_from(count).unwrap_or(0);
+        let (mut data, mut generations) = (Vec::with_capacity(n * ps), Vec::with_capacity(n));
+        for part in parts {
+            match part {
+                Part::Cached(d, g) => {
+                    data.extend_from_slice(&d);
+                    generations.extend_from_slice(&g);
+                }
+                Part::Owner(owner, first, count) => {
+                    let source = self.page_source.as_ref().ok_or_else(|| {
+                        DaemonError::Internal("admitted a page source read without one".into())
+                    })?;
+                    let (d, g) = source.read(&owner, epoch, first, count)?;
+                    data.extend_from_slice(&d);
+                    generations.extend_from_slice(&g);
+                }
+            }
+        }
+        // A node frozen or cut off past its lease must not answer from its
+        // old map.
+        self.check_lease()?;
+        Ok((data, generations, epoch))
+    }
+
     /// Runs `work` with the applied map's read lock held, once the call is
     /// admitted; checks the lease again before handing back its result.
+    /// `work` must do no network I/O (see [`Node::read_pages`]).
     fn serve<T>(
         &self,
         first: u64,
@@ -253,56 +338,14 @@ impl NodeRpc for NodeService {
         let node = self.node.clone();
         let (first, count) = node.check_run(req.run, true)?;
         let resp = blocking(move || {
-            let map_epoch = req.map_epoch;
-            let ((data, generations), epoch) =
-                node.serve(first, count, map_epoch, Access::Read, |view, segments| {
-                    let ps = node.cache.page_size();
-                    let mut data = Vec::with_capacity(usize::try_from(count).unwrap_or(0) * ps);
-                    let mut generations = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
-                    for seg in segments {
-                        match *seg {
-                            Segment::Cache { first, count } => {
-                                for page in first..first + count {
-                                    let r = node.cache.get(page)?;
-                                    generations.push(r.frame_generation().unwrap_or(0));
-                                    data.extend_from_slice(&r);
-                                }
-                            }
-                            Segment::Source {
-                                owner,
-                                first,
-                                count,
-                            } => {
-                                let source = node.page_source.as_ref().ok_or_else(|| {
-                                    DaemonError::Internal(
-                                        "admitted a page source read without one".into(),
-                                    )
-                                })?;
-                                let owner_node = view
-                                    .map
-                                    .nodes
-                                    .iter()
-                                    .find(|n| n.index == owner)
-                                    .ok_or_else(|| {
-                                    DaemonError::StaleMap(format!(
-                                        "node index {owner} owns page {first} but is not in the map"
-                                    ))
-                                })?;
-                                let (bytes, gens) =
-                                    source.read(owner_node, view.map.epoch, first, count)?;
-                                data.extend_from_slice(&bytes);
-                                generations.extend_from_slice(&gens);
-                            }
-                        }
-                    }
-                    Ok((data, generations))
-                })?;
+            let (data, frame_generations, map_epoch) =
+                node.read_pages(first, count, req.map_epoch)?;
             node.bytes_served
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok(ReadResponse {
                 data,
-                frame_generations: generations,
-                map_epoch: epoch,
+                frame_generations,
+                map_epoch,
             })
         })
         .await?;
