@@ -686,15 +686,27 @@ fn nodes_serve_their_extents_write_through_and_refuse_stale_maps() {
         assert_eq!(r.frame_generations.len(), 1);
 
         let data: Vec<u8> = (0..PAGE).map(|i| (i % 251) as u8).collect();
-        let w = n
-            .write(WriteRequest {
-                page,
-                data: data.clone(),
-                map_epoch: epoch,
-            })
-            .await
-            .expect("write")
-            .into_inner();
+        // Writes wait one lease + margin after a node's first map (it cannot
+        // tell a first start from a restart in place).
+        let start = Instant::now();
+        let w = loop {
+            match n
+                .write(WriteRequest {
+                    page,
+                    data: data.clone(),
+                    map_epoch: epoch,
+                })
+                .await
+            {
+                Err(s)
+                    if s.code() == tonic::Code::Unavailable
+                        && start.elapsed() < Duration::from_secs(20) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(25)).await
+                }
+                r => break r.expect("write").into_inner(),
+            }
+        };
         // The generation names the new frame's incarnation (what a remote
         // reader validates), not a per-page version: it need not grow.
         // Written through: the backing file has the bytes once acknowledged.
