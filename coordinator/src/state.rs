@@ -1290,6 +1290,12 @@ impl Cluster {
         })
     }
 
+    /// Whether a heartbeat may save now: only one that completes a
+    /// handoff does ([`Cluster::maybe_finish_handoff`]).
+    pub(crate) fn heartbeat_may_save(&self) -> bool {
+        !self.previous.is_empty()
+    }
+
     pub(crate) fn leave(&mut self, node_id: &str, incarnation: u64) -> Result<u64, CoordError> {
         validate_node_id(node_id)?;
         self.transact(|c| {
