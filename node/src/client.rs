@@ -591,7 +591,7 @@ impl ClusterClient {
             self.sync_map();
             let now = Instant::now();
             let snap = self.snap.clone();
-            let step = if snap.trusted(now) {
+            let step = if snap.trusted(crate::clock::now()) {
                 match attempt(self, &snap, deadline.saturating_duration_since(now)) {
                     Ok(v) => return Ok((v, attempts)),
                     Err(s) => s,
@@ -636,7 +636,7 @@ impl ClusterClient {
                 let trusted = self.follower.refresh(left);
                 self.sync_map();
                 let moved = self.snap.map.epoch != snap.map.epoch;
-                if trusted && (moved || !snap.trusted(Instant::now())) {
+                if trusted && (moved || !snap.trusted(crate::clock::now())) {
                     Duration::ZERO
                 } else {
                     backoff

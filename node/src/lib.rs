@@ -38,6 +38,8 @@ mod backing;
 mod cache;
 #[cfg(not(loom))]
 pub mod client;
+#[cfg(not(loom))]
+pub(crate) mod clock;
 mod core;
 #[cfg(not(loom))]
 pub mod daemon;

@@ -112,7 +112,7 @@ pub enum RemoteError {
     RegionTooSmall { need: u64, granted: u64 },
     #[error("page {page} is past the end of the file ({pages} pages)")]
     BeyondEnd { page: u64, pages: u64 },
-    #[error("buffer of {got} bytes for a page of {need}")]
+    #[error("buffer of {got} bytes where {need} are needed")]
     BufferSize { need: usize, got: usize },
     /// The reader's map lease ran out (see [`RemoteReader::trust_until`]):
     /// confirm the map is current (and the descriptors with it), renew, and
@@ -181,6 +181,19 @@ impl ReaderStats {
     }
 }
 
+/// Checks that a buffer of `got` bytes holds a run of `n` pages of `ps`
+/// bytes. `n` comes from the caller and `ps` from the owner's superblock
+/// (bytes read from another process): their product must not wrap.
+fn run_buffer(n: usize, ps: usize, got: usize) -> Result<(), RemoteError> {
+    match n.checked_mul(ps) {
+        Some(need) if got >= need => Ok(()),
+        need => Err(RemoteError::BufferSize {
+            need: need.unwrap_or(usize::MAX),
+            got,
+        }),
+    }
+}
+
 /// A one-sided reader of one owner's region over one connection.
 pub struct RemoteReader<C: Connection> {
     conn: C,
@@ -244,7 +257,9 @@ impl<C: Connection> RemoteReader<C> {
     /// margin) never reads an extent a new owner may already write (new
     /// owners fence writes for a lease plus the margin). Call it again each
     /// time the map is confirmed current (a `WatchMap` message, a
-    /// heartbeat reply).
+    /// heartbeat reply). `until` is checked against a clock that counts the
+    /// time the machine spends suspended, as [`crate::client::MapFollower::trusted_until`]'s
+    /// is; a deadline taken from `Instant::now()` only ends earlier.
     pub fn trust_until(&mut self, until: std::time::Instant) {
         self.trust_until = Some(until);
     }
@@ -252,7 +267,9 @@ impl<C: Connection> RemoteReader<C> {
     fn check_lease(&self) -> Result<(), RemoteError> {
         match self.trust_until {
             Some(t) => {
-                let now = std::time::Instant::now();
+                // The clock the trust window was computed with (it counts
+                // suspend: `MapFollower::trusted_until`).
+                let now = crate::clock::now();
                 if now > t {
                     Err(RemoteError::LeaseExpired(now - t))
                 } else {
@@ -381,12 +398,7 @@ impl<C: Connection> RemoteReader<C> {
                 pages: self.sb.file_pages,
             });
         }
-        if out.len() < n * ps {
-            return Err(RemoteError::BufferSize {
-                need: n * ps,
-                got: out.len(),
-            });
-        }
+        run_buffer(n, ps, out.len())?;
         self.check_lease()?;
         self.stats.reads += n as u64;
         let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
@@ -693,5 +705,30 @@ fn read_all<C: Connection>(
             Err(RemoteError::Stale(e))
         }
         Some(e) => Err(RemoteError::Wire(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RemoteError, run_buffer};
+
+    /// Issue 18, finding 8: `n * ps` wrapped (in release) for a run long
+    /// enough, so a buffer far too small passed the check.
+    #[test]
+    fn a_run_whose_size_wraps_is_refused() {
+        assert!(run_buffer(16, 4096, 16 * 4096).is_ok());
+        assert!(matches!(
+            run_buffer(16, 4096, 16 * 4096 - 1),
+            Err(RemoteError::BufferSize { need: 65536, .. })
+        ));
+        let wraps = usize::MAX / 4096 + 2;
+        assert_eq!(wraps.wrapping_mul(4096), 4096, "it wraps to one page");
+        assert!(matches!(
+            run_buffer(wraps, 4096, 4096),
+            Err(RemoteError::BufferSize {
+                need: usize::MAX,
+                got: 4096
+            })
+        ));
     }
 }

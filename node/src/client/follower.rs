@@ -227,7 +227,7 @@ impl Coordinator {
     /// restarted.
     async fn poll_one(&mut self, pick: &Pick, epoch: Option<u64>) -> Result<Confirmed, CallError> {
         let mut c = pick.client();
-        let sent = Instant::now();
+        let sent = crate::clock::now();
         let st = self.timed("Status", c.status(StatusRequest {})).await?;
         if !st.store_problem.is_empty() {
             // That coordinator could not confirm its copy with the store:
@@ -253,7 +253,7 @@ impl Coordinator {
                 lease,
             });
         }
-        let sent = Instant::now();
+        let sent = crate::clock::now();
         let map = self
             .timed("GetMap", c.get_map(GetMapRequest { compact: true }))
             .await?;
@@ -364,7 +364,9 @@ impl MapFollower {
     }
 
     /// Until when the current map may be trusted (None: never confirmed
-    /// under a usable lease).
+    /// under a usable lease), on a clock that counts the time the machine
+    /// spends suspended (it is later than `Instant::now()` after a suspend;
+    /// [`crate::remote::RemoteReader::trust_until`] checks it on that clock).
     pub fn trusted_until(&self) -> Option<Instant> {
         self.shared.lock().trust_until
     }
@@ -443,7 +445,7 @@ impl Shared {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        st.trust_until.is_some_and(|t| Instant::now() < t)
+        st.trust_until.is_some_and(|t| crate::clock::now() < t)
     }
 
     /// Sleeps up to `pause`, waking early when the map's epoch is no longer

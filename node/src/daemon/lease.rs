@@ -1,4 +1,7 @@
-//! This node's own view of its lease, by its own monotonic clock.
+//! This node's own view of its lease, by its own monotonic clock, one that
+//! counts the time the machine spends suspended ([`crate::clock`]): a node
+//! suspended past its lease wakes up with the lease over, as the
+//! coordinator sees it.
 //!
 //! The coordinator declares a node dead `lease` after it *received* the
 //! node's last heartbeat; the node counts from when it *sent* it, which was
@@ -58,13 +61,13 @@ impl Lease {
 
     /// Whether the lease holds now.
     pub(crate) fn valid(&self) -> bool {
-        self.nanos(Instant::now()) < self.until.load(Ordering::Relaxed)
+        self.nanos(crate::clock::now()) < self.until.load(Ordering::Relaxed)
     }
 
     /// Whether a lease was granted and has run out since (not revoked).
     pub(crate) fn lapsed(&self) -> bool {
         let until = self.until.load(Ordering::Relaxed);
-        until != 0 && self.nanos(Instant::now()) >= until
+        until != 0 && self.nanos(crate::clock::now()) >= until
     }
 
     pub(crate) fn margin(&self) -> Duration {
@@ -97,5 +100,19 @@ mod tests {
         assert!(!l.valid() && !l.lapsed());
         l.renew(Instant::now(), Duration::from_millis(40));
         assert!(!l.valid(), "a lease no longer than the margin never holds");
+    }
+
+    /// Issue 18, finding 8: the lease counted by CLOCK_MONOTONIC, which
+    /// stops while the machine is suspended, so a node suspended past its
+    /// lease woke up still answering (the coordinator had moved its
+    /// extents). A suspend is simulated on this thread.
+    #[test]
+    fn a_suspend_longer_than_the_lease_ends_it() {
+        let l = Lease::new(Duration::from_millis(100));
+        l.renew(crate::clock::now(), Duration::from_secs(3));
+        assert!(l.valid());
+        crate::clock::suspend_for_test(Duration::from_secs(10));
+        assert!(!l.valid(), "still valid after a 10 s suspend");
+        assert!(l.lapsed());
     }
 }
