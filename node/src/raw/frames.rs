@@ -18,9 +18,12 @@
 //! * `generation` is **odd exactly while the frame is published** (visible
 //!   through the index) and even otherwise (free, filling, retired). It
 //!   only grows: +1 when the frame is made visible, +1 when it is
-//!   invalidated. So the published incarnations of one frame have the
-//!   distinct odd generations 1, 3, 5, … and a generation value is never
-//!   seen twice. A zero-filled region has every frame at generation 0: free.
+//!   invalidated, +2 when a frame that was filled (and maybe prepared) but
+//!   never made visible goes back to the free list. So every `prepare`
+//!   computes an odd value no earlier `prepare` of the frame used, the
+//!   published incarnations have distinct odd generations, and a
+//!   generation value is never seen twice. A zero-filled region has every
+//!   frame at generation 0: free.
 //! * The refcount counts the index's own reference (1 while the frame is in
 //!   the index) plus one per local reader holding it. 0 means "not
 //!   gettable": free, filling, or frozen by an evictor.
@@ -35,7 +38,8 @@
 //!   plain stores, because a transport responder in this process may be
 //!   copying the same frame with atomic loads at any time.
 //! * `generation` is written by the owner of the frame (`prepare` computes
-//!   the next odd value but does not store it) and, under the lock of the
+//!   the next odd value but does not store it; `free_unpublished` moves the
+//!   even value on by 2) and, under the lock of the
 //!   index chain that links the frame, by `make_visible` (even → odd) and
 //!   `invalidate` (odd → even).
 //! * `checksum` = xxh3-64 of (page, generation, len as u64, all `page_size`
@@ -76,7 +80,10 @@
 //!    makes the new one visible, in one critical section, so **at most one
 //!    frame of a page is published at any instant**.
 //! 8. free: state `Free`, push on the free list (after `freeze` and
-//!    `invalidate` for an eviction; by the last `put` for a retired copy).
+//!    `invalidate` for an eviction; by the last `put` for a retired copy;
+//!    `free_unpublished` for a fill or insert that failed, which first moves
+//!    the even generation on by 2, so the odd value a `prepare` stamped a
+//!    checksum for is never stamped again with another one).
 //!
 //! # Ordering
 //!
@@ -109,7 +116,10 @@
 //!    Generations only grow and each odd value is held exactly while one
 //!    incarnation is visible, so at `tG` the incarnation `G` was published.
 //! 2. Every checksum ever stored in this header is the checksum of its own
-//!    (page, generation, len, bytes), with a distinct generation each time.
+//!    (page, generation, len, bytes), with a distinct generation each time:
+//!    each `prepare` uses the even generation word + 1, and the word only
+//!    grows, by 2 between two `prepare`s (visible then invalidated, or
+//!    `free_unpublished`).
 //!    A checksum word equal to xxh3(p, G, len', B) for the bytes `B` the
 //!    reader got therefore came from incarnation `G` itself (anything else
 //!    is a 64-bit hash collision), so `B` = that incarnation's bytes and
@@ -172,7 +182,8 @@ pub(crate) enum CopyOut {
     Copied { generation: u64, len: usize },
     /// The frame was not (or stopped being) that page's published copy.
     Changed,
-    /// `out` is shorter than the page's `len` bytes.
+    /// `out` is shorter than the page's `len` bytes (`len` validated: the
+    /// generation was unchanged after it was loaded).
     Short(usize),
 }
 
@@ -298,12 +309,21 @@ impl Frames {
         Some(f)
     }
 
-    /// Give back a `Filling` frame that was never published.
+    /// Give back a `Filling` frame that was never published (transition 8
+    /// for a fill or insert that failed). Its generation moves on by 2 (even
+    /// still): a `prepare` may have stored a checksum for the odd value
+    /// after it, and the next `prepare` must not reuse that value with
+    /// another checksum (see "Why a remote copy that validates is sound",
+    /// step 2).
     pub(crate) fn free_unpublished(&self, f: u32) {
-        debug_assert_eq!(
-            self.header(f).state.load(Ordering::Relaxed),
-            FrameState::Filling as u32
-        );
+        let h = self.header(f);
+        debug_assert_eq!(h.state.load(Ordering::Relaxed), FrameState::Filling as u32);
+        let g = h.generation.load(Ordering::Relaxed);
+        crate::sync::strict_assert!(g.is_multiple_of(2), "freeing a visible frame {f}");
+        // Relaxed: the next owner gets the frame through the free list's
+        // Release/Acquire, and a remote reader can only ever load this even
+        // value (never accepted) or a later one.
+        h.generation.store(g.wrapping_add(2), Ordering::Relaxed);
         self.release(f);
     }
 
@@ -383,6 +403,13 @@ impl Frames {
         }
         let len = h.len.load(Ordering::Relaxed) as usize;
         let Some(dst) = out.get_mut(..len) else {
+            // `len` may be a later refill's (torn): report it only if the
+            // generation still is `g1` after it was loaded (the Acquire fence
+            // pairs with the refill's `alloc` fence, as for the bytes below).
+            fence(Ordering::Acquire);
+            if h.generation.load(Ordering::Relaxed) != g1 {
+                return CopyOut::Changed;
+            }
             return CopyOut::Short(len);
         };
         self.region.copy_frame_prefix(f, dst);
@@ -541,5 +568,33 @@ impl Frames {
     /// The region (layout, raw memory, frame accessors).
     pub(crate) fn region(&self) -> &Region {
         &self.region
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::layout::RegionLayout;
+
+    /// A frame whose fill failed after `prepare` (an insert that lost, a
+    /// write whose write-through failed) goes back to the free list; the
+    /// next `prepare` of it must use a generation no earlier `prepare` used,
+    /// or a remote copy mixing the two checksums could validate.
+    #[test]
+    fn every_prepare_gets_a_distinct_generation() {
+        let frames = Frames::new(Region::new(RegionLayout::new(512, 1), 1, 512).unwrap());
+        let mut seen = Vec::new();
+        for round in 0..4u8 {
+            let f = frames.alloc().expect("the only frame is free");
+            // SAFETY: `alloc` gave us the frame in state Filling, exclusively.
+            unsafe { frames.region().fill(f, |b| b.fill(round)) };
+            let g = frames.prepare(f, 0, 512);
+            assert!(
+                !seen.contains(&g),
+                "round {round}: generation {g} prepared twice ({seen:?})"
+            );
+            seen.push(g);
+            frames.free_unpublished(f);
+        }
     }
 }
