@@ -10,6 +10,15 @@ use std::path::{Path, PathBuf};
 /// Linux's limit on iovecs per call.
 const IOV_MAX: usize = 1024;
 
+#[cfg(test)]
+thread_local! {
+    /// (file offset, first buffer address) of every `preadv` this thread
+    /// made: the unit tests check O_DIRECT's alignment with it, since some
+    /// kernels and file systems answer an unaligned read at the end of the
+    /// file with 0 and others with EINVAL.
+    static PREADS: std::cell::RefCell<Vec<(u64, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// The file a node caches a share of.
 #[derive(Debug)]
 pub struct BackingFile {
@@ -129,6 +138,9 @@ impl BackingFile {
         let offset = first * self.page_size as u64;
         let total: usize = spans.iter().map(|b| b.1).sum();
         let want = (self.len.saturating_sub(offset)).min(total as u64) as usize;
+        // O_DIRECT needs an aligned length, offset and buffer: ask for the
+        // whole frames (the last page of an unaligned file included) and
+        // take the short count the kernel returns at the end of the file.
         let ask = if self.direct { total } else { want };
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(spans.len());
         let mut left = ask;
@@ -145,8 +157,15 @@ impl BackingFile {
         }
         let mut done = 0usize;
         let mut at = 0usize; // first iovec not yet full
-        while done < ask && at < iov.len() {
+        // Until `want`: once the file's bytes are in, a further O_DIRECT read
+        // would start at an unaligned offset (EINVAL) only to find the end.
+        while done < want && at < iov.len() {
             let cnt = (iov.len() - at).min(IOV_MAX) as libc::c_int;
+            #[cfg(test)]
+            PREADS.with(|r| {
+                r.borrow_mut()
+                    .push((offset + done as u64, iov[at].iov_base as usize))
+            });
             // SAFETY: every iovec points into a distinct span the caller
             // vouches for, with a length inside it; the fd is open for reading.
             let n = unsafe {
@@ -172,6 +191,11 @@ impl BackingFile {
             }
             let mut n = n as usize;
             done += n;
+            if self.direct && done < want && !done.is_multiple_of(self.page_size) {
+                // Short of `want` at an unaligned point: the file shrank
+                // under us (reported below); reading on would be EINVAL.
+                break;
+            }
             while n > 0 && at < iov.len() {
                 let v = &mut iov[at];
                 if n >= v.iov_len {
@@ -224,5 +248,52 @@ impl BackingFile {
                 .map_err(|source| BackingError::Sync { source })?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PS: usize = 4096;
+
+    /// O_DIRECT reads of the last page of a file whose size is not a multiple
+    /// of the page size: the page comes back short, and every `preadv` is
+    /// aligned in offset and buffer (an unaligned one past the file's bytes
+    /// is EINVAL on kernels that check alignment before the end of file).
+    #[test]
+    fn direct_reads_of_the_partial_last_page_stay_aligned() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("data");
+        crate::pattern::generate_file(&path, 3 * PS as u64 + 100, PS).unwrap();
+        let file = match BackingFile::open(&path, PS, true, false) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("O_DIRECT refused by the file system of {path:?} ({e}); skipped");
+                return;
+            }
+        };
+        let mut buf = vec![0u8; 4 * PS];
+        let off = buf.as_ptr().align_offset(PS);
+        let frames = &mut buf[off..off + 3 * PS];
+        // The last page alone, then a run of two whole pages and the last.
+        for (first, n) in [(3u64, 1usize), (1, 3)] {
+            PREADS.with(|r| r.borrow_mut().clear());
+            let mut bufs: Vec<&mut [u8]> = frames[..n * PS].chunks_mut(PS).collect();
+            file.read_frames(first, &mut bufs).unwrap();
+            let last = &frames[(n - 1) * PS..n * PS];
+            assert_eq!(crate::pattern::verify(3, &last[..100]).map(|_| ()), Ok(()));
+            assert!(last[100..].iter().all(|&b| b == 0), "the tail is zeroed");
+            PREADS.with(|r| {
+                for &(at, addr) in r.borrow().iter() {
+                    assert!(
+                        at.is_multiple_of(512) && addr.is_multiple_of(512),
+                        "read of pages {first}..{}: an unaligned O_DIRECT preadv at offset {at}, buffer {addr:#x} ({:?})",
+                        first + n as u64,
+                        r.borrow()
+                    );
+                }
+            });
+        }
     }
 }
