@@ -6,15 +6,23 @@
 //!   gang-insert them, release the claim. Under the `second-hit` admission
 //!   policy a page's first miss (per the ghost set, [`crate::ghost`]) reads
 //!   it into a private buffer instead: served, never published.
+//!   The readahead window never crosses the end of the faulting page's
+//!   extent ([`CacheConfig::extent_pages`]): a node must not cache pages of
+//!   an extent it does not answer for.
 //! * No free frame: a CLOCK sweep evicts unreferenced, unheld frames.
+//! * Dropping a range ([`PageCache::evict_range`], an extent the node no
+//!   longer answers for): close it against fills already under way, then
+//!   claim each page in turn and unlink its copy even if readers hold it
+//!   (the protocol is in [`crate::flight`]).
 //! * Write: claim the page, fill a fresh frame (copy-on-write), write the
 //!   bytes through to the backing file, swap the index entry, retire the old
 //!   frame, then acknowledge.
 
 use crate::backing::BackingFile;
+use crate::core::Dropped;
 use crate::core::{Core, Lost, Sweep};
 use crate::error::{OpenError, ReadError, WriteError};
-use crate::flight::{Claim, Claimed, Flights};
+use crate::flight::{Began, Claim, Claimed, Closes, Flights};
 use crate::ghost::GhostSet;
 use crate::index::{Index, IndexKind, Lockless};
 use crate::layout::{IndexCode, RegionLayout};
@@ -42,6 +50,11 @@ pub struct CacheConfig {
     pub evict_batch: usize,
     /// Bind the region to this NUMA node (needs feature `numa`).
     pub numa_node: Option<usize>,
+    /// Pages per extent of the ownership map: readahead stops at the end of
+    /// the faulting page's extent. 0: no extents (readahead bounded by the
+    /// file only). A node learns it from the map and sets it with
+    /// [`PageCache::set_extent_pages`].
+    pub extent_pages: u64,
 }
 
 impl Default for CacheConfig {
@@ -54,6 +67,7 @@ impl Default for CacheConfig {
             readahead_max: 32,
             evict_batch: 32,
             numa_node: None,
+            extent_pages: 0,
         }
     }
 }
@@ -83,6 +97,9 @@ pub struct PageCache<I: Index = Lockless> {
     core: Core<I>,
     file: BackingFile,
     flights: Flights,
+    closes: Closes,
+    /// Pages per extent (0: none); [`CacheConfig::extent_pages`].
+    extent_pages: std::sync::atomic::AtomicU64,
     stats: Counters,
     cfg: CacheConfig,
     pages: u64,
@@ -165,6 +182,16 @@ impl Drop for PageRef<'_> {
             frames.put(frame);
         }
     }
+}
+
+/// What a fill did with the first page of its run.
+enum First {
+    /// Published; its frame, with a reference held.
+    Frame(u32),
+    /// Dropped since the fill began: its bytes at `buf[off..]`, unpublished.
+    Private { buf: Vec<u8>, off: usize },
+    /// Another copy of it was indexed first.
+    Lost,
 }
 
 /// What a fault produced.
@@ -258,6 +285,8 @@ impl<I: Index> PageCache<I> {
             core: Core::new(Frames::new(region)),
             file,
             flights: Flights::new(),
+            closes: Closes::new(),
+            extent_pages: std::sync::atomic::AtomicU64::new(cfg.extent_pages),
             stats: Counters::new(),
             cfg,
             pages,
@@ -290,6 +319,28 @@ impl<I: Index> PageCache<I> {
 
     pub fn config(&self) -> &CacheConfig {
         &self.cfg
+    }
+
+    /// Pages per extent readahead stays within (0: no extents).
+    pub fn extent_pages(&self) -> u64 {
+        self.extent_pages.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Set the pages per extent (the ownership map's extent size over the
+    /// page size; 0: no extents). Call it before the first fault of a page
+    /// of an extent the node answers for, and again if the map's extent size
+    /// changes (with every extent evicted).
+    pub fn set_extent_pages(&self, pages: u64) {
+        self.extent_pages
+            .store(pages, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The first page past `page`'s extent (`u64::MAX` with no extents).
+    fn extent_end(&self, page: u64) -> u64 {
+        match self.extent_pages() {
+            0 => u64::MAX,
+            n => (page / n).saturating_add(1).saturating_mul(n),
+        }
     }
 
     /// Frames not holding a page now.
@@ -460,6 +511,7 @@ impl<I: Index> PageCache<I> {
     #[cold]
     fn fault(&self, page: u64) -> Result<Faulted, ReadError> {
         self.stats.add(Counter::Misses, 1);
+        let began = self.closes.begin();
         loop {
             let claim = match self.flights.claim(page) {
                 Claimed::Now(c) => c,
@@ -491,7 +543,10 @@ impl<I: Index> PageCache<I> {
                 self.readahead_window(page)
             };
             let mut claims = vec![claim];
-            for p in page + 1..(page + 1 + ahead as u64).min(self.pages) {
+            let end = (page + 1 + ahead as u64)
+                .min(self.pages)
+                .min(self.extent_end(page));
+            for p in page + 1..end {
                 if self.is_cached(p) {
                     break;
                 }
@@ -500,14 +555,15 @@ impl<I: Index> PageCache<I> {
                     None => break,
                 }
             }
-            match self.fill_run(&claims) {
-                Ok((Some(f), read)) => {
+            match self.fill_run(&claims, began)? {
+                (First::Frame(f), read) => {
                     self.note_fault(page, read);
                     return Ok(Faulted::Frame(f));
                 }
+                // Dropped since this fault began: served, not published.
+                (First::Private { buf, off }, _) => return Ok(Faulted::Uncached { buf, off }),
                 // Lost an insert race to a writer-allocated copy: look again.
-                Ok((None, _)) => continue,
-                Err(e) => return Err(e),
+                (First::Lost, _) => continue,
             }
         }
     }
@@ -537,11 +593,11 @@ impl<I: Index> PageCache<I> {
         }
     }
 
-    /// Read the claimed run of pages into fresh frames and gang-insert them.
-    /// Returns the first page's frame with a reference held (`None` if
-    /// another copy of it was indexed first) and how many pages of the run
+    /// Read the claimed run of pages into fresh frames and gang-insert those
+    /// not dropped since `began` (the filler's start, [`crate::flight`]).
+    /// Returns what became of the first page and how many pages of the run
     /// were read: fewer than claimed when frames ran out part-way.
-    fn fill_run(&self, claims: &[Claim<'_>]) -> Result<(Option<u32>, usize), ReadError> {
+    fn fill_run(&self, claims: &[Claim<'_>], began: Began) -> Result<(First, usize), ReadError> {
         let first = claims[0].page();
         let mut frames = Vec::with_capacity(claims.len());
         for i in 0..claims.len() {
@@ -573,24 +629,63 @@ impl<I: Index> PageCache<I> {
         self.core.frames.advance_clock();
         self.stats.add(Counter::PagesRead, frames.len() as u64);
         self.stats.add(Counter::Readahead, frames.len() as u64 - 1);
-        let run: Vec<(u32, u32)> = frames
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| (f, self.file.page_len(first + i as u64) as u32))
+        let read = frames.len();
+        // Every claim of the run is held: a drop that claimed a page before
+        // us closed it first, and one that comes after waits for our release
+        // and unlinks what we publish (`crate::flight`).
+        let closed: Vec<bool> = (0..read)
+            .map(|i| self.closes.closed_since(first + i as u64, began))
             .collect();
-        let mut first_frame = None;
+        let mut first_page = First::Lost;
         let mut first_full = false;
-        self.core
-            .insert_filled_run(first, &run, &mut |i, r| match r {
-                Ok(f) if i == 0 => first_frame = Some(f),
-                Ok(f) => self.core.frames.put(f),
-                Err(Lost::NoRoom) if i == 0 => first_full = true,
-                Err(_) => {}
-            });
+        let mut i = 0;
+        while i < read {
+            if closed[i] {
+                let f = frames[i];
+                if i == 0 {
+                    first_page = self.private_copy(f, self.file.page_len(first));
+                }
+                self.core.frames.free_unpublished(f);
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < read && !closed[i] {
+                i += 1;
+            }
+            let run: Vec<(u32, u32)> = (start..i)
+                .map(|j| (frames[j], self.file.page_len(first + j as u64) as u32))
+                .collect();
+            self.core
+                .insert_filled_run(first + start as u64, &run, &mut |j, r| match r {
+                    Ok(f) if start + j == 0 => first_page = First::Frame(f),
+                    Ok(f) => self.core.frames.put(f),
+                    Err(Lost::NoRoom) if start + j == 0 => first_full = true,
+                    Err(_) => {}
+                });
+        }
         if first_full {
             return Err(ReadError::IndexFull);
         }
-        Ok((first_frame, frames.len()))
+        Ok((first_page, read))
+    }
+
+    /// The first `len` bytes of frame `f`, which the caller filled and still
+    /// owns, copied into a private buffer aligned like [`Self::read_uncached`]'s.
+    fn private_copy(&self, f: u32, len: usize) -> First {
+        let ps = self.cfg.page_size;
+        let mut buf = vec![0u8; 2 * ps];
+        let off = buf.as_ptr().align_offset(ps);
+        // SAFETY: the caller owns `f` (`Filling`, refcount 0, never
+        // published): nothing writes its bytes while we copy them.
+        unsafe {
+            self.core
+                .frames
+                .region()
+                .read(f, |b| buf[off..off + len].copy_from_slice(&b[..len]))
+        };
+        self.stats.add(Counter::AdmitSkipped, 1);
+        First::Private { buf, off }
     }
 
     /// Readahead: the window for a fault on `page` by this thread.
@@ -713,22 +808,71 @@ impl<I: Index> PageCache<I> {
         }
     }
 
-    /// Evict `count` pages from `first`; returns (evicted, busy).
+    /// Drop the `count` pages from `first` (an extent this node no longer
+    /// answers for): when this returns, no page of the range is in the index
+    /// or validates for a remote reader, and no fault, readahead, preload or
+    /// write that began before this call puts one back (it serves or writes
+    /// through without publishing). A page readers hold is unpublished at
+    /// once and its frame freed when the last of them lets go. A call that
+    /// begins after this one may cache the pages again: keeping those out
+    /// is the caller's admission. Returns (pages dropped, of which still
+    /// held by readers).
     pub fn evict_range(&self, first: u64, count: u64) -> (u64, u64) {
-        let (mut yes, mut busy) = (0, 0);
-        for p in first..first.saturating_add(count).min(self.pages) {
-            match self.evict(p) {
-                Evicted::Yes => yes += 1,
-                Evicted::Busy => busy += 1,
-                Evicted::NotCached => {}
+        let end = first.saturating_add(count).min(self.pages);
+        // Transition 2 of `crate::flight`: close, then claim page by page.
+        self.closes.close(first, end);
+        let (mut dropped, mut held) = (0, 0);
+        for p in first..end {
+            let _claim = self.flights.claim(p);
+            match self.core.drop_page(p) {
+                Dropped::Freed => dropped += 1,
+                Dropped::Retired => {
+                    dropped += 1;
+                    held += 1;
+                }
+                Dropped::NotCached => {}
             }
         }
-        (yes, busy)
+        self.stats.add(Counter::Evictions, dropped);
+        (dropped, held)
+    }
+
+    /// The lowest page this cache holds for which `keep` is false, if any:
+    /// the invariant check "only pages this node answers for are cached"
+    /// (`keep(page)`: the node answers for the page's extent). Walks every
+    /// frame header and confirms each candidate through the index, so a
+    /// frame in flux is not reported; a page cached concurrently by a call
+    /// the caller admitted may be. O(frames).
+    pub fn cached_pages_outside(&self, keep: impl Fn(u64) -> bool) -> Option<u64> {
+        let frames = &self.core.frames;
+        let mut worst: Option<u64> = None;
+        for f in 0..frames.count() as u32 {
+            let h = frames.header(f);
+            if h.state.load(crate::sync::Ordering::Relaxed)
+                != crate::layout::FrameState::Published as u32
+            {
+                continue;
+            }
+            let page = h.page.load(crate::sync::Ordering::Relaxed);
+            if keep(page) || worst.is_some_and(|w| w <= page) {
+                continue;
+            }
+            if self
+                .core
+                .index
+                .peek(frames, page)
+                .is_some_and(|(g, _)| g == f)
+            {
+                worst = Some(page);
+            }
+        }
+        worst
     }
 
     /// Fault in `count` pages from `first` (gang reads of up to the readahead
     /// window, or 32 pages); pages already cached are skipped.
     pub fn preload(&self, first: u64, count: u64) -> Result<u64, ReadError> {
+        let began = self.closes.begin();
         let end = first.saturating_add(count).min(self.pages);
         let run = self.cfg.readahead_max.max(32);
         let mut p = first;
@@ -755,8 +899,8 @@ impl<I: Index> PageCache<I> {
             }
             // Advance by what was read: with frames short, the run may stop
             // early, and the rest is claimed again on the next turn.
-            let (first_frame, read) = self.fill_run(&claims)?;
-            if let Some(f) = first_frame {
+            let (first_page, read) = self.fill_run(&claims, began)?;
+            if let First::Frame(f) = first_page {
                 self.core.frames.put(f);
             }
             drop(claims);
@@ -805,6 +949,7 @@ impl<I: Index> PageCache<I> {
                 len,
             });
         }
+        let began = self.closes.begin();
         let claim = self.flights.claim(page);
         let f = self.alloc_frame()?;
         let ps = self.cfg.page_size;
@@ -839,6 +984,11 @@ impl<I: Index> PageCache<I> {
             .core
             .publish_cow(page, f, len as u32)
             .map_err(|_| WriteError::IndexFull)?;
+        // Dropped since this write began (`crate::flight`): the new copy is
+        // current, but the page must not stay cached.
+        if self.closes.closed_since(page, began) {
+            let _ = self.core.drop_page(page);
+        }
         drop(claim);
         self.stats.add(Counter::Writes, 1);
         self.stats.add(Counter::BytesWritten, data.len() as u64);

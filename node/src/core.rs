@@ -4,7 +4,7 @@
 //! file, single flight and readahead; the loom models drive this core
 //! directly, so they check the code that ships.
 
-use crate::index::{Index, Inserted, Link, Removed};
+use crate::index::{IfHeld, Index, Inserted, Link, Removed};
 use crate::layout::FrameState;
 use crate::raw::frames::Frames;
 use crate::sync::{Ordering, fence};
@@ -35,6 +35,18 @@ pub(crate) enum Sweep {
     Busy,
     /// Not an indexed frame.
     Skip,
+}
+
+/// What dropping a page did ([`Core::drop_page`]).
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dropped {
+    /// Unlinked and its frame freed.
+    Freed,
+    /// Unlinked and invalidated; readers still hold the frame, and the last
+    /// of them frees it.
+    Retired,
+    NotCached,
 }
 
 fn lost(r: Inserted) -> Lost {
@@ -154,9 +166,40 @@ impl<I: Index> Core<I> {
         self.remove_frame(page, f, generation)
     }
 
+    /// Take `page` out of the index whatever holds its frame: from this
+    /// call's return on, no lookup finds it and no remote copy of it
+    /// validates. A held frame is retired like a copy-on-write's old copy.
+    /// The caller holds the page's flight claim, so no fill or write puts a
+    /// copy back meanwhile; a concurrent eviction only makes it look again.
+    pub(crate) fn drop_page(&self, page: u64) -> Dropped {
+        loop {
+            let Some((f, generation)) = self.index.peek(&self.frames, page) else {
+                return Dropped::NotCached;
+            };
+            match self
+                .index
+                .remove(&self.frames, page, f, generation, IfHeld::Unlink)
+            {
+                Removed::Yes => {
+                    self.frames.free_frozen(f);
+                    return Dropped::Freed;
+                }
+                Removed::Unlinked => {
+                    self.frames.drop_index_ref(f);
+                    return Dropped::Retired;
+                }
+                // Evicted (and maybe refilled) since the peek: look again.
+                _ => continue,
+            }
+        }
+    }
+
     /// Evict `page` from frame `f` at `generation`, if it is still there.
     pub(crate) fn remove_frame(&self, page: u64, f: u32, generation: u64) -> Sweep {
-        match self.index.remove(&self.frames, page, f, generation) {
+        match self
+            .index
+            .remove(&self.frames, page, f, generation, IfHeld::Skip)
+        {
             Removed::Yes => {
                 self.frames.free_frozen(f);
                 Sweep::Evicted

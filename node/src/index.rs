@@ -97,6 +97,19 @@ pub enum Inserted {
     NoRoom,
 }
 
+/// What removing an entry does when readers hold its frame.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IfHeld {
+    /// Leave the entry in place ([`Removed::Busy`]): eviction to make room.
+    Skip,
+    /// Unlink it all the same ([`Removed::Unlinked`]): the frame is
+    /// invalidated and leaves the index like a copy-on-write's old copy, and
+    /// its last reader frees it. Dropping pages that must go (an extent the
+    /// node no longer answers for).
+    Unlink,
+}
+
 /// The outcome of removing an entry.
 #[must_use]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +117,10 @@ pub enum Inserted {
 pub enum Removed {
     /// Unlinked, and the frame frozen: the caller frees it.
     Yes,
-    /// A reader holds the frame.
+    /// Unlinked and invalidated while readers held the frame
+    /// ([`IfHeld::Unlink`]): the caller drops the index's reference.
+    Unlinked,
+    /// A reader holds the frame ([`IfHeld::Skip`]); nothing changed.
     Busy,
     /// The index maps the page elsewhere or not at all.
     Absent,
@@ -164,9 +180,17 @@ pub trait Index: Send + Sync + 'static {
     ) -> Result<Option<u32>, Inserted>;
 
     /// Unlink `page` if it maps to `frame` at `generation` and the frame
-    /// can be frozen; the frame is invalidated before the entry goes.
+    /// can be frozen (or, held by readers, as `if_held` says); the frame is
+    /// invalidated before the entry goes.
     #[doc(hidden)]
-    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed;
+    fn remove(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        if_held: IfHeld,
+    ) -> Removed;
 
     /// Copy `page` into `out` without taking a reference, if the variant
     /// can (a seqlock read of the frame). `Ok(Some((generation, len)))` on
@@ -268,12 +292,22 @@ impl Index for Lockless {
             .map_err(|()| Inserted::NoRoom)
     }
 
-    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
-        match self
-            .0
-            .remove(frames, page, crate::layout::val_of(frame, generation))
-        {
+    fn remove(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        if_held: IfHeld,
+    ) -> Removed {
+        match self.0.remove(
+            frames,
+            page,
+            crate::layout::val_of(frame, generation),
+            if_held,
+        ) {
             RawRemove::Removed => Removed::Yes,
+            RawRemove::Unlinked => Removed::Unlinked,
             RawRemove::Busy => Removed::Busy,
             RawRemove::Absent => Removed::Absent,
         }
@@ -339,15 +373,27 @@ fn map_insert(
     }
 }
 
-fn map_remove(map: &mut Map, frames: &Frames, page: u64, frame: u32, generation: u64) -> Removed {
+fn map_remove(
+    map: &mut Map,
+    frames: &Frames,
+    page: u64,
+    frame: u32,
+    generation: u64,
+    if_held: IfHeld,
+) -> Removed {
     match map.get(&page) {
         Some(&(f, g)) if f == frame && g == generation => {
-            if frames.freeze(f) == Freeze::Busy {
+            let frozen = frames.freeze(f) == Freeze::Frozen;
+            if !frozen && if_held == IfHeld::Skip {
                 return Removed::Busy;
             }
             frames.invalidate(f);
             map.remove(&page);
-            Removed::Yes
+            if frozen {
+                Removed::Yes
+            } else {
+                Removed::Unlinked
+            }
         }
         _ => Removed::Absent,
     }
@@ -447,8 +493,22 @@ impl Index for RwLocked {
         ))
     }
 
-    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
-        map_remove(&mut write(&self.0), frames, page, frame, generation)
+    fn remove(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        if_held: IfHeld,
+    ) -> Removed {
+        map_remove(
+            &mut write(&self.0),
+            frames,
+            page,
+            frame,
+            generation,
+            if_held,
+        )
     }
 
     fn peek(&self, _: &FrameTable, page: u64) -> Option<(u32, u64)> {
@@ -525,13 +585,21 @@ impl Index for Mutexed {
         ))
     }
 
-    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
+    fn remove(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        if_held: IfHeld,
+    ) -> Removed {
         map_remove(
             &mut crate::sync::lock(&self.0),
             frames,
             page,
             frame,
             generation,
+            if_held,
         )
     }
 
@@ -611,13 +679,21 @@ impl Index for Sharded {
         ))
     }
 
-    fn remove(&self, frames: &FrameTable, page: u64, frame: u32, generation: u64) -> Removed {
+    fn remove(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        frame: u32,
+        generation: u64,
+        if_held: IfHeld,
+    ) -> Removed {
         map_remove(
             &mut write(self.shard(page)),
             frames,
             page,
             frame,
             generation,
+            if_held,
         )
     }
 

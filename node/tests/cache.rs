@@ -478,3 +478,141 @@ fn fifo_evicts_the_first_inserted_and_lru_the_least_recently_hit() {
         }
     });
 }
+
+/// A file of `pages` whole pages and `extra` bytes on a file system that
+/// takes O_DIRECT (the target dir, not a tmpfs `/tmp`).
+fn direct_file(pages: u64, extra: u64) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("data");
+    pattern::generate_file(&path, pages * PS as u64 + extra, PS).unwrap();
+    (dir, path)
+}
+
+/// O_DIRECT reads of a file whose size is not a multiple of the page size:
+/// the last page comes back short (`page_len`), on every read path: a
+/// single fault, a readahead run that ends on it, a second-hit private
+/// read and the read-modify-write of a partial write.
+#[test]
+fn direct_io_reads_the_partial_last_page() {
+    let (_d, path) = direct_file(3, 100);
+    let open = |readahead_max| {
+        PageCache::open(
+            &path,
+            CacheConfig {
+                direct_io: true,
+                readahead_max,
+                ..cfg(8)
+            },
+        )
+    };
+    let c = match open(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("O_DIRECT refused by the file system of {path:?} ({e}); skipped");
+            return;
+        }
+    };
+    let last = c.get(3).expect("O_DIRECT fault of the partial last page");
+    assert_eq!(last.len(), 100);
+    pattern::verify(3, &last).unwrap();
+    drop(last);
+
+    // A readahead run that ends on the partial page.
+    let c = open(32).unwrap();
+    pattern::verify(0, &c.get(0).unwrap()).unwrap();
+    pattern::verify(1, &c.get(1).unwrap()).unwrap();
+    assert!(c.lookup(3).is_some(), "the run read ahead to the last page");
+    pattern::verify(3, &c.get(3).unwrap()).unwrap();
+
+    // Second hit: the first miss reads into a private buffer.
+    let c = open(0).unwrap();
+    c.set_policy(CachePolicy {
+        admission: Admission::SecondHit,
+        ..CachePolicy::default()
+    });
+    let mut buf = vec![0u8; PS];
+    assert_eq!(c.read_into(3, &mut buf).unwrap(), 100);
+    pattern::verify(3, &buf[..100]).unwrap();
+
+    // A partial write of the uncached last page reads the rest of it first.
+    let c = open(0).unwrap();
+    c.write_at(3, 1, &[7, 8]).unwrap();
+    assert_eq!(
+        &c.get(3).unwrap()[..4],
+        &{
+            let mut want = vec![0u8; 100];
+            pattern::fill(3, 0, &mut want);
+            want[1] = 7;
+            want[2] = 8;
+            want
+        }[..4]
+    );
+}
+
+/// Readahead never crosses the end of the faulting page's extent: pages of
+/// an extent the node may not answer for must not enter its region.
+#[test]
+fn readahead_stops_at_the_extent_boundary() {
+    const EXTENT: u64 = 8;
+    let (_d, path) = file(64, 0);
+    let c = PageCache::open(
+        &path,
+        CacheConfig {
+            readahead_max: 32,
+            extent_pages: EXTENT,
+            ..cfg(64)
+        },
+    )
+    .unwrap();
+    // A sequential scan of extent 0, ending on its last page.
+    for p in 0..EXTENT {
+        pattern::verify(p, &c.get(p).unwrap()).unwrap();
+    }
+    assert!(
+        c.stats().readahead > 0,
+        "the scan read ahead: {:?}",
+        c.stats()
+    );
+    for p in EXTENT..2 * EXTENT {
+        assert!(c.lookup(p).is_none(), "page {p} of extent 1 was read ahead");
+    }
+    assert_eq!(c.cached_pages_outside(|p| p < EXTENT), None);
+    // Extent 1 reads ahead within itself just the same.
+    for p in EXTENT..2 * EXTENT {
+        pattern::verify(p, &c.get(p).unwrap()).unwrap();
+    }
+    assert_eq!(c.cached_pages_outside(|p| p < 2 * EXTENT), None);
+    assert_eq!(c.cached_pages_outside(|p| p < EXTENT), Some(EXTENT));
+}
+
+/// Evicting a range drops every page of it, even one a reader still holds:
+/// the held copy is unpublished at once and freed when the reader lets go.
+#[test]
+fn evicting_a_range_unpublishes_held_pages() {
+    let (_d, path) = file(16, 0);
+    let c = PageCache::open(
+        &path,
+        CacheConfig {
+            readahead_max: 0,
+            ..cfg(8)
+        },
+    )
+    .unwrap();
+    let held = c.get(2).unwrap();
+    pattern::verify(3, &c.get(3).unwrap()).unwrap();
+    let free = c.free_frames();
+    let (gone, still_held) = c.evict_range(0, 8);
+    assert_eq!(
+        (gone, still_held),
+        (2, 1),
+        "both pages dropped, one still held"
+    );
+    assert!(c.lookup(2).is_none(), "a held page stayed published");
+    assert!(c.lookup(3).is_none());
+    // The reader's copy stays intact and its frame comes back on drop.
+    pattern::verify(2, &held).unwrap();
+    assert_eq!(c.free_frames(), free + 1);
+    drop(held);
+    assert_eq!(c.free_frames(), free + 2);
+    pattern::verify(2, &c.get(2).unwrap()).unwrap();
+}

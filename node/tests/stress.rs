@@ -241,3 +241,188 @@ fn stress_mutex() {
 fn stress_sharded() {
     stress::<Sharded>(4, policy(Eviction::Clock, Admission::SecondHit));
 }
+
+/// Extent eviction against sequential readers, the way the daemon drops an
+/// extent: a "view" lock admits each read or write only for extents the
+/// node answers for (as the daemon's view does); the evictor closes an
+/// extent under the write lock, evicts it with `evict_range`, and while it
+/// stays closed "another node" writes its pages straight into the backing
+/// file. Readers scan runs that end past extent boundaries (readahead) and
+/// keep some pages held after their admission ends (busy frames). Checked:
+/// no page of a closed extent is cached after its eviction, and every read,
+/// once the extent is open again, has every byte right and is never older
+/// than an acknowledged write.
+#[test]
+fn stress_extent_eviction_vs_readahead() {
+    const EXTENT: u64 = 16;
+    const N: u64 = 256;
+    let extents = (N / EXTENT) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data");
+    pattern::generate_file(&path, N * PS as u64, PS).unwrap();
+    let cache = Arc::new(
+        PageCache::<Lockless>::open_with(
+            &path,
+            CacheConfig {
+                frames: 96,
+                readahead_max: 32,
+                evict_batch: 4,
+                extent_pages: EXTENT,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let closed: Arc<std::sync::RwLock<Vec<bool>>> =
+        Arc::new(std::sync::RwLock::new(vec![false; extents]));
+    let acked: Arc<Vec<AtomicU64>> = Arc::new((0..N).map(|_| AtomicU64::new(0)).collect());
+    let wlocks: Arc<Vec<Mutex<()>>> = Arc::new((0..N).map(|_| Mutex::new(())).collect());
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let deadline = Instant::now() + Duration::from_secs_f64(secs());
+    let mut handles = Vec::new();
+    for r in 0..3u64 {
+        let (cache, closed, acked, stop, tally) = (
+            cache.clone(),
+            closed.clone(),
+            acked.clone(),
+            stop.clone(),
+            tally.clone(),
+        );
+        handles.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(0xE7 ^ r);
+            let mut buf = vec![0u8; PS];
+            while !stop.load(Ordering::Relaxed) {
+                // A run that ends a few pages into the next extent.
+                let e = rng.random_range(0..N / EXTENT);
+                let start = e * EXTENT + rng.random_range(0..EXTENT);
+                let end = ((e + 1) * EXTENT + rng.random_range(0..4)).min(N);
+                let mut held = Vec::new();
+                for p in start..end {
+                    let view = closed.read().unwrap();
+                    if view[(p / EXTENT) as usize] {
+                        continue;
+                    }
+                    let before = acked[p as usize].load(Ordering::Acquire);
+                    let generation = if r == 0 {
+                        let n = cache.read_into(p, &mut buf).unwrap();
+                        pattern::verify(p, &buf[..n])
+                            .unwrap_or_else(|e| panic!("copy-out read: {e}"))
+                    } else {
+                        let g = cache.get(p).unwrap();
+                        let generation = pattern::verify(p, &g)
+                            .unwrap_or_else(|e| panic!("zero-copy read: {e}"));
+                        held.push((p, generation, g));
+                        generation
+                    };
+                    drop(view);
+                    assert!(
+                        generation >= before,
+                        "page {p}: read generation {generation} after {before} was acknowledged"
+                    );
+                    tally.reads.fetch_add(1, Ordering::Relaxed);
+                    tally.bytes.fetch_add(PS as u64, Ordering::Relaxed);
+                    // Held past the admission, as a transport may hold them.
+                    if held.len() > 4 {
+                        held.remove(0);
+                    }
+                }
+                // A held copy never changes under its holder, evicted or not.
+                for (p, generation, g) in &held {
+                    assert_eq!(
+                        pattern::verify(*p, g),
+                        Ok(*generation),
+                        "held page {p} changed"
+                    );
+                }
+            }
+        }));
+    }
+    {
+        // The cache's own writer, for open extents.
+        let (cache, closed, acked, wlocks, stop, tally) = (
+            cache.clone(),
+            closed.clone(),
+            acked.clone(),
+            wlocks.clone(),
+            stop.clone(),
+            tally.clone(),
+        );
+        handles.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(0xE7 ^ 100);
+            let mut page = vec![0u8; PS];
+            while !stop.load(Ordering::Relaxed) {
+                let p = rng.random_range(0..N);
+                let view = closed.read().unwrap();
+                if view[(p / EXTENT) as usize] {
+                    continue;
+                }
+                let _w = wlocks[p as usize].lock().unwrap();
+                let next = acked[p as usize].load(Ordering::Acquire) + 1;
+                pattern::fill(p, next, &mut page);
+                cache.write(p, &page).unwrap();
+                acked[p as usize].store(next, Ordering::Release);
+                tally.writes.fetch_add(1, Ordering::Relaxed);
+                drop(view);
+                std::thread::yield_now();
+            }
+        }));
+    }
+    let mut rng = SmallRng::seed_from_u64(0xE7 ^ 200);
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let mut page = vec![0u8; PS];
+    let mut rounds = 0u64;
+    while Instant::now() < deadline && !handles.iter().any(|h| h.is_finished()) {
+        let e = rng.random_range(0..extents);
+        closed.write().unwrap()[e] = true;
+        let first = e as u64 * EXTENT;
+        tally
+            .evicted
+            .fetch_add(cache.evict_range(first, EXTENT).0, Ordering::Relaxed);
+        // While it is closed: another node writes a page of it, and the
+        // readers of the extent before it keep reading ahead.
+        let p = first + rng.random_range(0..EXTENT);
+        {
+            let _w = wlocks[p as usize].lock().unwrap();
+            let next = acked[p as usize].load(Ordering::Acquire) + 1;
+            pattern::fill(p, next, &mut page);
+            std::os::unix::fs::FileExt::write_all_at(&file, &page, p * PS as u64).unwrap();
+            acked[p as usize].store(next, Ordering::Release);
+        }
+        for check in 0..2 {
+            for q in first..first + EXTENT {
+                assert!(
+                    cache.lookup(q).is_none(),
+                    "round {rounds}: page {q} of closed extent {e} is cached (check {check})"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        closed.write().unwrap()[e] = false;
+        rounds += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        if let Err(e) = h.join() {
+            std::panic::resume_unwind(e);
+        }
+    }
+    for p in 0..N {
+        let g = pattern::verify(p, &cache.get(p).unwrap()).unwrap();
+        assert_eq!(g, acked[p as usize].load(Ordering::Relaxed), "page {p}");
+    }
+    let t = &tally;
+    assert!(
+        rounds > 10 && t.reads.load(Ordering::Relaxed) > 1000,
+        "too little done: {rounds} rounds"
+    );
+    println!(
+        "stress extents: {:.1} s, {rounds} extents closed and evicted, {} verified reads ({} MiB), {} writes, {} pages evicted; cache: {:?}",
+        secs(),
+        t.reads.load(Ordering::Relaxed),
+        t.bytes.load(Ordering::Relaxed) >> 20,
+        t.writes.load(Ordering::Relaxed),
+        t.evicted.load(Ordering::Relaxed),
+        cache.stats(),
+    );
+}

@@ -43,7 +43,12 @@
 //! 3. Remove (evict): freeze the frame's refcount (1 → 0), invalidate the
 //!    frame, then store `key = 0` (Release). An overflow bucket left empty is
 //!    unlinked (Release store of its predecessor's link) and deferred to the
-//!    pool.
+//!    pool. A frame readers hold cannot be frozen: the removal gives up
+//!    (making room), or, when the page must go (`IfHeld::Unlink`: a dropped
+//!    extent), invalidates and unlinks it all the same, exactly as a
+//!    copy-on-write retires its old copy; the remover then drops the index's
+//!    reference after unlocking, and the last reader's `put` frees the
+//!    frame ([`super::frames`] transitions 5, 7, 8).
 //! 4. Unlock: store `ctrl` with the lock bit clear and the counter bumped
 //!    (Release), publishing any new link.
 //!
@@ -74,7 +79,7 @@
 
 use super::frames::{CopyOut, Frames, FreeList, Freeze};
 use super::{Bucket, Slot};
-use crate::index::Link;
+use crate::index::{IfHeld, Link};
 use crate::layout::{self, ctrl, key_of, val_frame, val_gen32};
 use crate::sync::Ordering;
 use std::sync::Arc;
@@ -85,6 +90,9 @@ use std::sync::Arc;
 pub(crate) enum Remove {
     /// The entry was removed and its frame frozen: the caller must free it.
     Removed,
+    /// The entry was removed and its frame invalidated, but readers hold
+    /// it ([`IfHeld::Unlink`]): the caller drops the index's reference.
+    Unlinked,
     /// A reader holds the frame; nothing changed.
     Busy,
     /// The index does not map the page to that frame (any more).
@@ -481,9 +489,10 @@ impl RawIndex {
     }
 
     /// Remove `page → val` if the index still holds exactly that entry and
-    /// the frame can be frozen (transition 3).
-    pub(crate) fn remove(&self, frames: &Frames, page: u64, val: u64) -> Remove {
-        let (outcome, unlinked) = self.remove_locked(frames, page, val);
+    /// the frame can be frozen, or, held by readers, `if_held` is
+    /// [`IfHeld::Unlink`] (transition 3).
+    pub(crate) fn remove(&self, frames: &Frames, page: u64, val: u64, if_held: IfHeld) -> Remove {
+        let (outcome, unlinked) = self.remove_locked(frames, page, val, if_held);
         if let Some(o) = unlinked {
             // Deferred only now that the chain lock is released, so the
             // unlink (stored by the unlock) is visible before the deferral:
@@ -501,7 +510,13 @@ impl RawIndex {
 
     /// [`RawIndex::remove`] under the chain lock; returns the overflow bucket
     /// it unlinked, if any, for the caller to defer after unlocking.
-    fn remove_locked(&self, frames: &Frames, page: u64, val: u64) -> (Remove, Option<u32>) {
+    fn remove_locked(
+        &self,
+        frames: &Frames,
+        page: u64,
+        val: u64,
+        if_held: IfHeld,
+    ) -> (Remove, Option<u32>) {
         let key = key_of(page);
         let mut locked = Self::lock(frames, page);
         // Find the slot, remembering the bucket and its predecessor.
@@ -513,9 +528,11 @@ impl RawIndex {
                 if v != val {
                     return (Remove::Absent, None);
                 }
-                if frames.freeze(val_frame(val)) == Freeze::Busy {
-                    return (Remove::Busy, None);
-                }
+                let outcome = match frames.freeze(val_frame(val)) {
+                    Freeze::Frozen => Remove::Removed,
+                    Freeze::Busy if if_held == IfHeld::Unlink => Remove::Unlinked,
+                    Freeze::Busy => return (Remove::Busy, None),
+                };
                 // Remote readers fail validation before the entry goes.
                 frames.invalidate(val_frame(val));
                 // Release: pairs with the recheck's Acquire load of the key.
@@ -527,9 +544,9 @@ impl RawIndex {
                         .all(|s| s.key.load(Ordering::Relaxed) == 0)
                 {
                     Self::unlink(&mut locked, prev, here);
-                    return (Remove::Removed, Some(o));
+                    return (outcome, Some(o));
                 }
-                return (Remove::Removed, None);
+                return (outcome, None);
             }
             let next = match here_idx {
                 None => ctrl::next(locked.ctrl),
