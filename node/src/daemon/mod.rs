@@ -197,6 +197,12 @@ impl Node {
         }
         let fence = *self.lease_len.lock().unwrap_or_else(|e| e.into_inner()) + self.lease.margin();
         let ppe = map.extent_size / page_size;
+        // Readahead stays within the faulting page's extent: a page of an
+        // extent this node does not answer for must never enter its cache
+        // (it would be served, stale, if that extent came here later). A
+        // change of extent size changes the extent count too, which makes
+        // the plan below evict everything.
+        self.cache.set_extent_pages(ppe);
         let plan = MapView::plan(
             old.as_deref(),
             map,
@@ -225,6 +231,9 @@ impl Node {
                 .map(|&e| self.cache.evict_range(e as u64 * ppe, ppe).0)
                 .sum::<u64>()
         };
+        if cfg!(any(debug_assertions, feature = "strict_assertions")) {
+            self.check_only_served_pages_cached();
+        }
         self.applied.store(epoch, Ordering::Release);
         tracing::info!(
             epoch,
@@ -234,6 +243,26 @@ impl Node {
             "applied ownership map"
         );
         self.heartbeat_now.notify_one();
+    }
+
+    /// Debug builds and strict mode (`strict_assertions`): the invariant
+    /// the evictions keep, checked after each map is applied: only extents
+    /// this node answers from its cache (owned outright, or handed off)
+    /// have pages in it. Panics naming the page.
+    fn check_only_served_pages_cached(&self) {
+        let Some(view) = self.view() else { return };
+        if let Some(page) = self
+            .cache
+            .cached_pages_outside(|p| view.role(view.extent_of(p)).cached())
+        {
+            panic!(
+                "strict: page {page} (extent {}) is cached, but this node does not answer for \
+                 that extent at epoch {} (role {:?})",
+                view.extent_of(page),
+                view.map.epoch,
+                view.role(view.extent_of(page))
+            );
+        }
     }
 
     /// Treats every extent as lost (lease lapsed, declared dead, leaving):
