@@ -136,6 +136,11 @@ pub struct Args {
     pub work_dir: Option<PathBuf>,
     #[arg(long)]
     pub keep: bool,
+    /// The checker's end-to-end self-test: the workers log one in N reads
+    /// of a rewritten page as the generation before the one read (the run
+    /// must then fail). 0: off.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub self_test_lie_every: u64,
     /// The CI smoke run: 20 s, a 16 MiB file, two workers.
     #[arg(long)]
     pub quick: bool,
@@ -348,9 +353,30 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
                 &(a.duration.as_millis() as u64).to_string(),
             ])
             .args(["--op-deadline-ms", &a.op_deadline_ms.to_string()])
-            .args(["--seed", &(seed ^ (id as u64) << 40).to_string()]);
-        if a.focus == Focus::ReadaheadBoundary {
-            c.args(["--run-fraction", "0.4", "--churn-fraction", "0.2"]);
+            .args(["--seed", &(seed ^ (id as u64) << 40).to_string()])
+            .args(["--lie-every", &a.self_test_lie_every.to_string()]);
+        match a.focus {
+            // Runs up to extents' ends, and reads anywhere to keep misses
+            // (and so readahead) going.
+            Focus::ReadaheadBoundary => {
+                c.args(["--run-fraction", "0.4", "--churn-fraction", "0.2"])
+                    .arg("--runs-grpc");
+            }
+            // Few pages, read often: a stale window of a few hundred ms
+            // must see reads of the pages written in it. No reads outside
+            // them: a miss on a frozen node times out and makes the
+            // reader's follower poll at once, which would close the very
+            // window (a reader that trusts the map it confirmed last) the
+            // focus is after.
+            Focus::TakeoverFollowup | Focus::RestartInPlace => {
+                c.args(["--edge-pages", "2", "--spread-pages", "0"]).args([
+                    "--run-fraction",
+                    "0",
+                    "--churn-fraction",
+                    "0",
+                ]);
+            }
+            Focus::Mixed | Focus::None => {}
         }
         c.stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -18,6 +18,10 @@
 //!   leases, then healed;
 //! - `failover` (with `--etcd`): kill -9 the leading coordinator, start it
 //!   again 0.5 to 2 s later;
+//! - `evict-all` then `drain`: every cache emptied, the workers' runs up to
+//!   extents' last pages read for 0.1 to 0.6 s (each miss at the owner
+//!   reads ahead), then a node drained: extents move right after reads of
+//!   the runs that end at their neighbours' last pages;
 //! - `drain`, `undrain`, `join`: through the coordinator's admin API (as
 //!   `pwctl drain` / `undrain`), a join starts a spare node.
 
@@ -49,6 +53,10 @@ enum Step {
     Drain(String),
     Undrain(String),
     Join,
+    /// Evict every cache, let the workers read runs up to extents' last
+    /// pages (the owners' readahead crosses into the next extents), then
+    /// drain a node: the next extents move.
+    EvictRunsDrain(String),
 }
 
 pub struct Schedule {
@@ -169,11 +177,11 @@ impl Schedule {
                 if let Some(d) = self.drained.first() {
                     Step::Undrain(d.clone())
                 } else {
-                    Step::Drain(self.any(&owners))
+                    Step::EvictRunsDrain(self.any(&owners))
                 }
             }
             Focus::Mixed => loop {
-                let k = self.rng.random_range(0..10);
+                let k = self.rng.random_range(0..11);
                 let s = match k {
                     0 => Step::Kill9(self.any(&nodes)),
                     1 => Step::RestartInPlace(self.any(&owners)),
@@ -189,6 +197,7 @@ impl Schedule {
                     7 if owners.len() > 2 => Step::Drain(self.any(&owners)),
                     8 if !self.drained.is_empty() => Step::Undrain(self.drained[0].clone()),
                     9 if self.spare(c) => Step::Join,
+                    10 if owners.len() > 2 => Step::EvictRunsDrain(self.any(&owners)),
                     _ => continue,
                 };
                 break s;
@@ -287,6 +296,19 @@ impl Schedule {
             Step::Drain(n) => self.do_followup(c, &Followup::Drain(n.clone()))?,
             Step::Undrain(n) => self.do_followup(c, &Followup::Undrain(n.clone()))?,
             Step::Join => self.do_followup(c, &Followup::Join)?,
+            Step::EvictRunsDrain(n) => {
+                let read = Duration::from_millis(self.rng.random_range(100..600));
+                let addr = self.leader(c).unwrap_or_else(|| c.spec.coordinator_addr());
+                let size = self.map(c).map_or(0, |m| m.file_size);
+                let pages = procs::evict(&addr, &self.token, size)?;
+                self.rec(
+                    "evict-all",
+                    "-",
+                    format!("{pages} pages; drain in {} ms", read.as_millis()),
+                );
+                std::thread::sleep(read);
+                self.do_followup(c, &Followup::Drain(n.clone()))?;
+            }
         }
         Ok(())
     }

@@ -46,8 +46,10 @@ pub struct WorkerArgs {
     /// More pages of the working set, spread over the file.
     #[arg(long, default_value_t = 64)]
     pub spread_pages: u64,
-    /// Pages per boundary run (ending at an extent's last page).
-    #[arg(long, default_value_t = 16)]
+    /// Pages per boundary run (ending at an extent's last page): 40 lets
+    /// a node's readahead (1, 3, 5, 9, then 17 and 33 pages when each miss
+    /// follows the last) reach past the extent's end.
+    #[arg(long, default_value_t = 40)]
     pub run_pages: u64,
     /// Fraction of reader operations that are boundary runs.
     #[arg(long, default_value_t = 0.2)]
@@ -67,6 +69,12 @@ pub struct WorkerArgs {
     /// stuck on a frozen node tries the new owner soon after a map change.
     #[arg(long, default_value_t = 150)]
     pub rpc_timeout_ms: u64,
+    /// Read the boundary runs through the gRPC `Read` (another client):
+    /// the owner serves a miss there through its cache's fault path, whose
+    /// readahead follows a run of misses (a `FaultIn` loads only the pages
+    /// asked for).
+    #[arg(long)]
+    pub runs_grpc: bool,
     /// Whether this worker writes.
     #[arg(long)]
     pub write: bool,
@@ -78,6 +86,10 @@ pub struct WorkerArgs {
     pub op_deadline_ms: u64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The checker's own end-to-end test: every Nth read of a page at
+    /// generation 2 or more is logged as the generation before (0: never).
+    #[arg(long, default_value_t = 0)]
+    pub lie_every: u64,
 }
 
 /// A worker's totals (its stdout line).
@@ -115,17 +127,23 @@ pub fn working_set(pages: u64, per_extent: u64, edge: u64, spread: u64) -> Vec<u
     v
 }
 
-fn client(
-    a: &WorkerArgs,
-    follower: &Arc<MapFollower>,
-    token: &str,
-) -> anyhow::Result<ClusterClient> {
+/// A client with its own map follower: a thread's failures make only its
+/// own follower poll sooner, as in separate processes (one follower shared
+/// by the writer and the readers would let a writer stuck on a frozen node
+/// refresh the readers' map and close the windows the nemesis looks for).
+fn client(a: &WorkerArgs, token: &str) -> anyhow::Result<ClusterClient> {
+    client_on(a, token, a.grpc)
+}
+
+fn client_on(a: &WorkerArgs, token: &str, grpc: bool) -> anyhow::Result<ClusterClient> {
+    let follower = MapFollower::start(&a.coordinator, token)
+        .with_context(|| format!("following the map of {}", a.coordinator))?;
     let cfg = ClientConfig {
         transport: a
             .transport
             .parse::<TransportChoice>()
             .map_err(anyhow::Error::msg)?,
-        path: if a.grpc {
+        path: if grpc {
             ReadPath::Grpc
         } else {
             ReadPath::OneSided
@@ -136,7 +154,7 @@ fn client(
         backoff_max: Duration::from_millis(20),
         ..ClientConfig::default()
     };
-    Ok(ClusterClient::new(follower.clone(), token, cfg)?)
+    Ok(ClusterClient::new(follower, token, cfg)?)
 }
 
 pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
@@ -144,11 +162,9 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("reading {}", a.token_file.display()))?
         .trim()
         .to_owned();
-    let follower = MapFollower::start(&a.coordinator, &token)
-        .with_context(|| format!("following the map of {}", a.coordinator))?;
-    let map = follower.map();
+    let probe = client(a, &token)?;
+    let map = probe.follower().map();
     let per_extent = (map.extent_size / u64::from(map.page_size).max(1)).max(1);
-    let probe = client(a, &follower, &token)?;
     let pages = probe.file_pages();
     drop(probe);
     let set = Arc::new(working_set(pages, per_extent, a.edge_pages, a.spread_pages));
@@ -159,7 +175,7 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
     for wt in 0..if a.write { a.writer_threads.max(1) } else { 0 } {
         let me = a.id + a.workers.max(1) * wt;
         let mine: Vec<u64> = set.iter().copied().filter(|p| p % writers == me).collect();
-        let mut c = client(a, &follower, &token)?;
+        let mut c = client(a, &token)?;
         let mut log = Log::create(&a.history.with_extension(format!("w{wt}")))?;
         let stop = stop.clone();
         let seed = a.seed ^ (wt + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
@@ -203,10 +219,17 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
         }));
     }
     for r in 0..a.reader_threads {
-        let mut c = client(a, &follower, &token)?;
+        let mut c = client(a, &token)?;
+        let mut cg = if a.runs_grpc {
+            Some(client_on(a, &token, true)?)
+        } else {
+            None
+        };
         let mut log = Log::create(&a.history.with_extension(format!("r{r}")))?;
         let (stop, set) = (stop.clone(), set.clone());
         let (run_pages, run_fraction, churn) = (a.run_pages, a.run_fraction, a.churn_fraction);
+        let lie_every = a.lie_every;
+        let mut n_read = 0u64;
         let seed = a.seed ^ (r + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         threads.push(std::thread::spawn(move || -> anyhow::Result<Totals> {
             let mut t = Totals::default();
@@ -215,7 +238,8 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
             let extents = pages.div_ceil(per_extent);
             while !stop.load(Ordering::Relaxed) {
                 let x: f64 = rng.random();
-                let (first, n) = if x < run_fraction {
+                let is_run = x < run_fraction;
+                let (first, n) = if is_run {
                     let e = rng.random_range(0..extents);
                     let end = ((e + 1) * per_extent).min(pages);
                     let first = end.saturating_sub(run_pages).max(e * per_extent);
@@ -227,10 +251,25 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
                 };
                 for p in first..first + n {
                     let inv = now_ns();
-                    let r = c.read_page(p, &mut buf);
+                    let r = match (&mut cg, is_run) {
+                        (Some(g), true) => g.read_page(p, &mut buf),
+                        _ => c.read_page(p, &mut buf),
+                    };
                     let resp = now_ns();
                     let (ok, corrupt, g) = match r {
                         Ok(_) => match pattern::verify(p, &buf[..c.page_len(p)]) {
+                            Ok(g) if lie_every > 0 && g >= 2 => {
+                                n_read += 1;
+                                (
+                                    true,
+                                    false,
+                                    if n_read.is_multiple_of(lie_every) {
+                                        g - 1
+                                    } else {
+                                        g
+                                    },
+                                )
+                            }
                             Ok(g) => (true, false, g),
                             Err(e) => {
                                 t.corrupt += 1;

@@ -483,6 +483,28 @@ pub fn drain(addr: &str, token: &str, node_id: &str, undrain: bool) -> anyhow::R
     })
 }
 
+/// Evicts every page of the file from every node's cache (the
+/// coordinator's `Evict`, as `pwctl evict all`); the pages evicted.
+pub fn evict(addr: &str, token: &str, file_size: u64) -> anyhow::Result<u64> {
+    rt()?.block_on(async {
+        let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
+        let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            c.evict(pagewire_proto::v1::ClusterRangeRequest {
+                range: Some(pagewire_proto::v1::ByteRange {
+                    offset: 0,
+                    length: file_size,
+                }),
+            }),
+        )
+        .await
+        .context("Evict timed out")??
+        .into_inner();
+        Ok(r.results.iter().map(|n| n.pages).sum())
+    })
+}
+
 /// Whether `m` has `nodes` live nodes, every extent owned, no handoff.
 pub fn settled(m: &OwnershipMap, nodes: usize) -> bool {
     let alive = m
