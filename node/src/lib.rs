@@ -44,7 +44,6 @@ mod core;
 #[cfg(not(loom))]
 pub mod daemon;
 pub mod error;
-#[cfg(not(loom))]
 mod flight;
 #[cfg(not(loom))]
 mod ghost;

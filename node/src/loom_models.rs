@@ -468,3 +468,111 @@ fn insert_vs_unlink_one_chain() {
 
 static RECYCLED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A reader's reference-free copy of page 1 (8 bytes long) races eviction
+/// of page 1 and reuse of its frame for page 2 (16 bytes). The reader's
+/// buffer holds 8 bytes: it copies page 1 or sees the change, and never
+/// reports "your buffer is short" from the refill's length.
+#[test]
+fn copy_validated_vs_refill_with_another_len() {
+    use crate::raw::frames::CopyOut;
+    builder().check(|| {
+        let c = Arc::new(core(1));
+        let f = c.frames.alloc().unwrap();
+        // SAFETY: `alloc` gave us the frame in state Filling, exclusively.
+        unsafe { c.frames.region().fill(f, |b| b.fill(0x11)) };
+        let f = c.insert_filled(1, f, 8).unwrap();
+        c.frames.put(f);
+        let generation = c.index.peek(&c.frames, 1).unwrap().1;
+        let owner = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                assert_eq!(c.remove_frame(1, f, generation), Sweep::Evicted);
+                let g = insert(&c, 2, 0x22).unwrap();
+                c.frames.put(g);
+            })
+        };
+        let mut out = [0u8; 8];
+        match c.frames.copy_validated(f, 1, generation as u32, &mut out) {
+            CopyOut::Copied { len, .. } => {
+                assert_eq!(len, 8);
+                assert_eq!(out, [0x11; 8]);
+            }
+            CopyOut::Changed => {}
+            CopyOut::Short(len) => panic!("Short({len}) for a page of 8 bytes"),
+        }
+        owner.join().unwrap();
+    });
+}
+
+/// The drop of a range (`PageCache::evict_range`) races a fill of page 1
+/// that began before it, run as the cache runs it: claim, fill, check the
+/// close marks, publish or not, release. Whatever the order, page 1 is not
+/// cached once both are done, and the filler's frame is not lost.
+#[test]
+fn fill_vs_drop_of_its_range() {
+    use crate::flight::{Closes, Flights};
+    builder().check(|| {
+        let c = Arc::new(core(2));
+        let flights = Arc::new(Flights::new());
+        let closes = Arc::new(Closes::new());
+        let began = closes.begin();
+        let filler = {
+            let (c, flights, closes) = (Arc::clone(&c), Arc::clone(&flights), Arc::clone(&closes));
+            thread::spawn(move || {
+                let _claim = flights.claim(1);
+                let f = c.frames.alloc().expect("a free frame");
+                // SAFETY: `alloc` gave us the frame in state Filling, exclusively.
+                unsafe { c.frames.region().fill(f, |b| b.fill(0x11)) };
+                if closes.closed_since(1, began) {
+                    c.frames.free_unpublished(f);
+                } else if let Ok(f) = c.insert_filled(1, f, PS as u32) {
+                    c.frames.put(f);
+                }
+            })
+        };
+        closes.close(0, 2);
+        for p in 0..2 {
+            let _claim = flights.claim(p);
+            let _ = c.drop_page(p);
+        }
+        filler.join().unwrap();
+        let mut retries = 0;
+        assert!(
+            c.lookup(1, &mut retries).is_none(),
+            "a fill that began before the drop left page 1 cached"
+        );
+        assert_eq!(c.frames.free_count(), 2, "a frame was lost");
+    });
+}
+
+/// Dropping page 1 while a reader holds its frame: the page leaves the
+/// index at once (no lookup finds it), the holder's bytes stay whole, and
+/// the frame is freed by whichever of the two lets go last.
+#[test]
+fn drop_page_vs_holder() {
+    use crate::core::Dropped;
+    builder().check(|| {
+        let c = Arc::new(core(1));
+        let f = insert(&c, 1, 0x11).unwrap();
+        c.frames.put(f);
+        let reader = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let mut retries = 0;
+                if let Some(f) = c.lookup(1, &mut retries) {
+                    assert_eq!(read_tag(&c, f), 0x11);
+                    c.frames.put(f);
+                }
+            })
+        };
+        assert_ne!(c.drop_page(1), Dropped::NotCached);
+        let mut retries = 0;
+        assert!(
+            c.lookup(1, &mut retries).is_none(),
+            "a dropped page is found"
+        );
+        reader.join().unwrap();
+        assert_eq!(c.frames.free_count(), 1, "the frame came back once");
+    });
+}
