@@ -15,7 +15,8 @@
 # The nemesis itself (readers, writers, checker) is this checkout's
 # release pagewire-bench (BENCH); only pagewire-node and
 # pagewire-coordinator come from the mutated tree (built into
-# target-mutation-N). Exit 0 when a violation was found (the mutation is
+# target-mutation-N, or TARGET_DIR: one already holding a build of a
+# nearby tree rebuilds in seconds). Exit 0 when a violation was found (the mutation is
 # killed), 1 when none was, 2 on a usage or build error.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,7 +34,7 @@ esac
 BENCH=${BENCH:-$root/target/release/pagewire-bench}
 [[ -x $BENCH ]] || { echo "no $BENCH: cargo build --release -p pagewire-bench" >&2; exit 2; }
 wt=/tmp/nemesis-mutation-$finding
-target=$root/target-mutation-$finding
+target=${TARGET_DIR:-$root/target-mutation-$finding}
 git worktree remove --force "$wt" 2>/dev/null || true
 case $revert in
   base=*)

@@ -282,7 +282,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         std::fs::write(
             &cfg,
             format!(
-                "[etcd]\nprefix = \"/nemesis-{seed}\"\nlease_ttl_s = 2\nrequest_timeout_ms = 2000\n"
+                "[etcd]\nprefix = \"/nemesis-{seed}\"\nlease_ttl_s = 3\nrequest_timeout_ms = 1000\n"
             ),
         )?;
         coordinator_args.push("--config".into());

@@ -326,16 +326,33 @@ impl Schedule {
                 )
             });
         let kind = |k: &'static str, t: &'static str| if tight.is_some() { t } else { k };
-        let addr = self.leader(c).unwrap_or_else(|| c.spec.coordinator_addr());
+        let list = c.spec.coordinator_list();
+        // The leader, or (a leader just elected, an answer naming another)
+        // each coordinator in turn, for up to 3 s.
+        let drain = |n: &str, undrain: bool| -> anyhow::Result<u64> {
+            let t = Instant::now();
+            let first = self.leader(c).unwrap_or_else(|| c.spec.coordinator_addr());
+            let mut last = None;
+            while t.elapsed() < Duration::from_secs(3) {
+                for a in std::iter::once(first.as_str()).chain(list.split(',')) {
+                    match procs::drain(a, &self.token, n, undrain) {
+                        Ok(e) => return Ok(e),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(last.unwrap_or_else(|| anyhow::anyhow!("no coordinator answered")))
+        };
         match f {
             Followup::Drain(n) => {
-                let e = procs::drain(&addr, &self.token, n, false)?;
+                let e = drain(n, false)?;
                 self.drained.push(n.clone());
                 let note = format!("epoch {e} {}", tight.clone().unwrap_or_default());
                 self.rec(kind("drain", "followup-drain"), n, note);
             }
             Followup::Undrain(n) => {
-                let e = procs::drain(&addr, &self.token, n, true)?;
+                let e = drain(n, true)?;
                 self.drained.retain(|d| d != n);
                 let note = format!("epoch {e} {}", tight.clone().unwrap_or_default());
                 self.rec(kind("undrain", "followup-undrain"), n, note);
@@ -354,11 +371,25 @@ impl Schedule {
             .find_map(|a| procs::get_map(a, &self.token).ok())
     }
 
-    /// The leading coordinator's address (the only one without etcd).
+    /// The leading coordinator's address (the only one without etcd),
+    /// waiting up to 3 s for an election.
     fn leader(&self, c: &Cluster) -> Option<String> {
         if !self.etcd {
             return Some(c.spec.coordinator_addr());
         }
+        let t = Instant::now();
+        loop {
+            if let Some(a) = self.leader_now(c) {
+                return Some(a);
+            }
+            if t.elapsed() > Duration::from_secs(3) {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn leader_now(&self, c: &Cluster) -> Option<String> {
         let list = c.spec.coordinator_list();
         list.split(',').find_map(|a| {
             let rt = procs::rt().ok()?;
