@@ -596,11 +596,11 @@ mod tests {
 
     use super::{Config, Node};
 
-    const PAGE: u64 = 4096;
+    pub(super) const PAGE: u64 = 4096;
     /// Four extents of four pages.
-    const PPE: u64 = 4;
+    pub(super) const PPE: u64 = 4;
 
-    fn node() -> (tempfile::TempDir, Node) {
+    pub(super) fn node() -> (tempfile::TempDir, Node) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("data.bin");
         std::fs::File::create(&path)
@@ -627,7 +627,7 @@ mod tests {
         (dir, node)
     }
 
-    fn map(epoch: u64, owner: &[u32]) -> OwnershipMap {
+    pub(super) fn map(epoch: u64, owner: &[u32]) -> OwnershipMap {
         OwnershipMap {
             epoch,
             extent_size: PPE * PAGE,
@@ -685,11 +685,9 @@ mod frozen_owner_tests {
     use pagewire_proto::v1::{MapNode, OwnershipMap, PageRun, ReadRequest};
 
     use super::service::NodeService;
-    use super::{DaemonError, Node, PageSource};
-    use crate::{CacheConfig, PageCache};
+    use super::{DaemonError, PageSource};
 
-    const PAGE: u64 = 4096;
-    const PPE: u64 = 4;
+    use super::tests::{PAGE, PPE};
 
     /// An owner that does not answer (frozen) until told to.
     struct Frozen {
@@ -717,12 +715,10 @@ mod frozen_owner_tests {
         }
     }
 
+    /// The tests' map, naming nodes 1 and 2 (a non-owner read needs the
+    /// owner's entry).
     fn map(epoch: u64, owner: &[u32]) -> OwnershipMap {
         OwnershipMap {
-            epoch,
-            extent_size: PPE * PAGE,
-            page_size: PAGE as u32,
-            owner: owner.to_vec(),
             nodes: [1, 2]
                 .into_iter()
                 .map(|index| MapNode {
@@ -731,41 +727,19 @@ mod frozen_owner_tests {
                     ..Default::default()
                 })
                 .collect(),
-            ..Default::default()
+            ..super::tests::map(epoch, owner)
         }
     }
 
     #[test]
     fn a_frozen_owner_does_not_hold_up_the_next_map() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("data.bin");
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(4 * PPE * PAGE)
-            .unwrap();
-        let cache = PageCache::open(
-            &path,
-            CacheConfig {
-                frames: 64,
-                readahead_max: 0,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let mut node = Node::new(
-            &super::Config::default(),
-            "t".into(),
-            Arc::new(cache),
-            None,
-            None,
-        );
+        let (_dir, mut node) = super::tests::node();
         let (entered_tx, entered) = mpsc::channel();
         let (release, release_rx) = mpsc::channel();
         node.page_source = Some(Arc::new(Frozen {
             entered: Mutex::new(Some(entered_tx)),
             release: Mutex::new(release_rx),
         }));
-        node.index.store(1, Ordering::Relaxed);
         node.lease.renew(Instant::now(), Duration::from_secs(30));
         let node = Arc::new(node);
         let generation = node.generation.load(Ordering::Acquire);
