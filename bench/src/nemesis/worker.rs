@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice};
+use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower};
 use pagewire_node::pattern;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -139,20 +139,10 @@ fn client_on(a: &WorkerArgs, token: &str, grpc: bool) -> anyhow::Result<ClusterC
     let follower = MapFollower::start(&a.coordinator, token)
         .with_context(|| format!("following the map of {}", a.coordinator))?;
     let cfg = ClientConfig {
-        transport: a
-            .transport
-            .parse::<TransportChoice>()
-            .map_err(anyhow::Error::msg)?,
-        path: if grpc {
-            ReadPath::Grpc
-        } else {
-            ReadPath::OneSided
-        },
-        op_deadline: Duration::from_millis(a.op_deadline_ms),
         rpc_timeout: Duration::from_millis(a.rpc_timeout_ms),
         connect_timeout: Duration::from_millis(a.rpc_timeout_ms),
         backoff_max: Duration::from_millis(20),
-        ..ClientConfig::default()
+        ..crate::storm::reader::client_config(&a.transport, grpc, a.op_deadline_ms)?
     };
     Ok(ClusterClient::new(follower, token, cfg)?)
 }

@@ -323,6 +323,28 @@ impl State {
     }
 }
 
+/// The cluster client's settings of a bench reader or writer process:
+/// one-sided over `transport` (shm, tcp, auto, verbs) or gRPC `Read`, and
+/// how long one operation retries through failover.
+pub(crate) fn client_config(
+    transport: &str,
+    grpc: bool,
+    op_deadline_ms: u64,
+) -> anyhow::Result<ClientConfig> {
+    Ok(ClientConfig {
+        transport: transport
+            .parse::<TransportChoice>()
+            .map_err(anyhow::Error::msg)?,
+        path: if grpc {
+            ReadPath::Grpc
+        } else {
+            ReadPath::OneSided
+        },
+        op_deadline: Duration::from_millis(op_deadline_ms),
+        ..ClientConfig::default()
+    })
+}
+
 fn emit(out: &mut impl Write, line: &Line) -> anyhow::Result<()> {
     serde_json::to_writer(&mut *out, line)?;
     out.write_all(b"\n")?;
@@ -352,19 +374,7 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
         Path::OneSided | Path::Grpc => {
             let follower = MapFollower::start(&a.coordinator, &token)
                 .with_context(|| format!("following the map of {}", a.coordinator))?;
-            let cfg = ClientConfig {
-                transport: a
-                    .transport
-                    .parse::<TransportChoice>()
-                    .map_err(anyhow::Error::msg)?,
-                path: if a.path == Path::Grpc {
-                    ReadPath::Grpc
-                } else {
-                    ReadPath::OneSided
-                },
-                op_deadline: Duration::from_millis(a.op_deadline_ms),
-                ..ClientConfig::default()
-            };
+            let cfg = client_config(&a.transport, a.path == Path::Grpc, a.op_deadline_ms)?;
             if a.writer_fraction > 0.0 {
                 let wc = ClusterClient::new(follower.clone(), &token, cfg.clone())?;
                 writer = Some(Writer::start(wc, acked.clone())?);
