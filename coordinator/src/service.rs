@@ -619,7 +619,7 @@ impl Coordinator for CoordinatorService {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -677,7 +677,8 @@ mod tests {
         Leadership::standalone("me:1".into(), "test".into())
     }
 
-    fn reg(id: &str) -> Request<RegisterRequest> {
+    /// A registration of node `id` (shared with the etcd store's tests).
+    pub(crate) fn reg(id: &str) -> Request<RegisterRequest> {
         Request::new(RegisterRequest {
             node_id: id.into(),
             grpc_address: "127.0.0.1:9".into(),

@@ -1149,8 +1149,8 @@ mod tests {
     use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
     use pagewire_proto::auth::AttachToken;
+    use pagewire_proto::v1::DrainRequest;
     use pagewire_proto::v1::coordinator_server::Coordinator;
-    use pagewire_proto::v1::{DrainRequest, RegisterRequest};
     use tonic::Request;
 
     use super::*;
@@ -1190,17 +1190,6 @@ mod tests {
             self.ha.applied(rev);
             Ok(())
         }
-    }
-
-    fn reg(id: &str) -> Request<RegisterRequest> {
-        Request::new(RegisterRequest {
-            node_id: id.into(),
-            grpc_address: "127.0.0.1:9".into(),
-            capacity_bytes: 1 << 30,
-            file_size: 256 << 16,
-            page_size: 4096,
-            ..Default::default()
-        })
     }
 
     async fn epoch_becomes(
@@ -1263,8 +1252,8 @@ mod tests {
         let svc = CoordinatorService {
             shared: shared.clone(),
         };
-        svc.register(reg("a")).await.unwrap();
-        svc.register(reg("b")).await.unwrap();
+        svc.register(crate::service::tests::reg("a")).await.unwrap();
+        svc.register(crate::service::tests::reg("b")).await.unwrap();
         let n = published.borrow().map.epoch;
         assert!(n > 0);
 
