@@ -26,7 +26,10 @@ echo "== build"
 cargo build --locked -p pagewire-coordinator --bins -p pagewire-node --bin pagewire-node
 
 echo "== tests: proto, coordinator (unit + end-to-end), node daemon"
-if cargo nextest --version >/dev/null 2>&1; then
+if [[ ${PAGEWIRE_CI_TESTED:-0} == 1 ]]; then
+  # .ci/run ran `cargo test --workspace` already, which holds these.
+  echo "(run by .ci/run's workspace tests: skipped here)"
+elif cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
   cargo nextest run --locked --no-fail-fast -p pagewire-node --lib daemon::
 else
