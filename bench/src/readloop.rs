@@ -30,7 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice};
+use pagewire_client::cluster::{
+    ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice,
+};
 use pagewire_node::pattern;
 use serde::Serialize;
 

@@ -41,8 +41,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
+use pagewire_client::remote::{ReaderConfig, RemoteReader};
 use pagewire_node::pattern;
-use pagewire_node::remote::{ReaderConfig, RemoteReader};
 use pagewire_rdma::RegionDescriptor;
 use pagewire_rdma::shm::{ShmConfig, ShmConnection};
 use pagewire_rdma::tcp::{ConnectionConfig, TcpConnection};
@@ -393,7 +393,7 @@ fn one_sided_clients(
 }
 
 /// `n` readers sharing one queue pair to the owner, as the threads of a
-/// reader process do (`pagewire_node::client`).
+/// reader process do (`pagewire_client::cluster`).
 #[cfg(feature = "verbs")]
 fn verbs_clients(
     t: &OneSidedTarget,
@@ -446,7 +446,7 @@ fn prime_locations<C: pagewire_rdma::Connection>(
     let mut buf = vec![0u8; r.superblock().layout.page_size];
     for p in 0..pages {
         match r.read_page(p, &mut buf)? {
-            pagewire_node::remote::Outcome::Hit { .. } => {}
+            pagewire_client::remote::Outcome::Hit { .. } => {}
             o => bail!("priming: page {p} was not one-sided readable ({o:?})"),
         }
     }

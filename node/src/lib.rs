@@ -10,19 +10,20 @@
 //!   eviction, stats), generic over an [`index::Index`] variant.
 //! * [`raw`] (internal): the lock-free core, each module opening with its
 //!   protocol.
-//! * [`remote`]: the one-sided reader of another node's region (READs only,
-//!   read-validate-retry, an index cache, fallback to the owner).
-//! * [`client`]: a standalone process's client of the whole cluster: follows
-//!   the ownership map, routes each page, fails over by itself.
+//! * [`daemon`]: the node daemon; it reads pages other nodes own with
+//!   `pagewire-client`'s owner pool (the one-sided reader and the cluster
+//!   client live in that crate, which links no cache).
 //! * [`pattern`]: the self-describing page format every test and bench uses.
 //! * [`numa`]: topology discovery and placement (hwloc with feature `numa`).
 //!
-//! Dependencies go one way: this crate may use `pagewire-proto` and
-//! `pagewire-rdma`, and must never depend on the coordinator or the bench.
+//! Dependencies go one way: this crate may use `pagewire-layout`,
+//! `pagewire-proto`, `pagewire-rdma` and `pagewire-client`, and must never
+//! depend on the coordinator or the bench.
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod layout;
+/// The region's wire layout lives in its own crate, shared with readers.
+pub use pagewire_layout as layout;
 pub mod pattern;
 pub mod policy;
 #[doc(hidden)]
@@ -36,10 +37,6 @@ pub mod stats;
 mod backing;
 #[cfg(not(loom))]
 mod cache;
-#[cfg(not(loom))]
-pub mod client;
-#[cfg(not(loom))]
-pub(crate) mod clock;
 mod core;
 #[cfg(not(loom))]
 pub mod daemon;
@@ -49,8 +46,6 @@ mod flight;
 mod ghost;
 #[cfg(not(loom))]
 pub mod numa;
-#[cfg(not(loom))]
-pub mod remote;
 
 #[cfg(all(test, loom))]
 mod loom_models;

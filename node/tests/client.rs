@@ -1,4 +1,4 @@
-//! `pagewire_node::client` against real processes on loopback: a
+//! `pagewire_client::cluster` against real processes on loopback: a
 //! coordinator and three `pagewire-node` daemons over a self-describing
 //! file (`pattern`, a partial last page included), read by `ClusterClient`s
 //! in this process over every path, while nodes are killed (-9), frozen
@@ -11,7 +11,7 @@
 //! The tests run one at a time (they time leases, and share two cores in
 //! CI).
 
-use pagewire_node::client::{
+use pagewire_client::cluster::{
     ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadPath,
     TransportChoice, Via, read_owner,
 };

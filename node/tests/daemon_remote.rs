@@ -8,8 +8,8 @@
 //! Needs the coordinator binary beside `pagewire-node` (`cargo test
 //! --workspace` builds both).
 
+use pagewire_client::remote::{Outcome, ReaderConfig, RemoteError, RemoteReader};
 use pagewire_node::pattern;
-use pagewire_node::remote::{Outcome, ReaderConfig, RemoteError, RemoteReader};
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fake_coordinator::{Fake, Role};
-use pagewire_node::client::{FollowerConfig, MapFollower};
+use pagewire_client::cluster::{FollowerConfig, MapFollower};
 use pagewire_proto::v1::OwnershipMap;
 
 const TOKEN: &str = "failover-test-token";
@@ -263,7 +263,7 @@ fn the_map_follower_confirms_through_any_coordinator_and_refetches_on_a_switch()
 fn the_map_follower_refuses_a_bad_address_list() {
     for bad in ["", "127.0.0.1", "a:1,b:99999"] {
         match MapFollower::start(bad, TOKEN) {
-            Err(pagewire_node::client::ClientError::Addresses(e)) => {
+            Err(pagewire_client::cluster::ClientError::Addresses(e)) => {
                 assert!(
                     e.to_string().contains("coordinator address"),
                     "{bad:?}: {e}"

@@ -19,8 +19,8 @@ use common::{
     FRAMES, OwnerProcess, PAGES, PS, Tally, acked_words, create_acked, open_acked, read_loop,
     run_owner, secs, wait_for,
 };
+use pagewire_client::remote::{ReaderConfig, RemoteReader};
 use pagewire_node::index::Lockless;
-use pagewire_node::remote::{ReaderConfig, RemoteReader};
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};
 use pagewire_rdma::tcp::{ConnectionConfig, ResponderConfig, TcpConnection, TcpResponder};

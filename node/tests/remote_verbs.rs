@@ -26,8 +26,8 @@ use common::{
     FRAMES, OwnerProcess, PAGES, PS, Tally, acked_words, create_acked, open_acked, read_loop,
     run_owner, secs, wait_for,
 };
+use pagewire_client::remote::{ReaderConfig, RemoteReader};
 use pagewire_node::index::Lockless;
-use pagewire_node::remote::{ReaderConfig, RemoteReader};
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::verbs::{DEVICE_ENV, VerbsConfig, VerbsConnection, VerbsOwner};
 use pagewire_rdma::{LocalRegion, MemoryOwner, RegionDescriptor, SharedConnection};
@@ -133,7 +133,7 @@ fn remote_reads_over_verbs() {
     // Connect every reader first (queue pairs are slow to set up under
     // emulation), then read for `secs()`. Half the threads have a queue
     // pair each; the other half share one, as the threads of a reader
-    // process do (`SharedConnection`, what `pagewire_node::client` uses).
+    // process do (`SharedConnection`, what `pagewire_client::cluster` uses).
     let own: Vec<_> = (0..READERS)
         .map(|_| {
             let conn =

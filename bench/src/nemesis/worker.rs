@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower};
+use pagewire_client::cluster::{ClientConfig, ClusterClient, MapFollower};
 use pagewire_node::pattern;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

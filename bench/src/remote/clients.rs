@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use pagewire_client::remote::{Outcome, RemoteReader};
 use pagewire_node::pattern;
-use pagewire_node::remote::{Outcome, RemoteReader};
 use pagewire_proto::v1::{PageRun, ReadRequest};
 use pagewire_rdma::Connection;
 

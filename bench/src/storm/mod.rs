@@ -41,7 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower, TransportChoice};
+use pagewire_client::cluster::{ClientConfig, ClusterClient, MapFollower, TransportChoice};
 use pagewire_node::pattern;
 
 use faults::Fault;

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use pagewire_node::client::{ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice};
+use pagewire_client::cluster::{
+    ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice,
+};
 use pagewire_node::pattern;
 use serde::{Deserialize, Serialize};
 

@@ -200,7 +200,7 @@ impl Agent {
             let mut req = self.register.clone();
             req.transports = transports(&self.node);
             req.previous_incarnation = self.node.incarnation.load(Ordering::Relaxed);
-            let sent = crate::clock::now();
+            let sent = pagewire_client::clock::now();
             let generation = self.node.generation.load(Ordering::Acquire);
             let pick = self.coords.pick();
             match pick.client().register(request(req)).await {
@@ -319,7 +319,7 @@ impl Agent {
                 applied_epoch: applied,
                 stats: Some(self.node.stats()),
             };
-            let sent = crate::clock::now();
+            let sent = pagewire_client::clock::now();
             let pick = self.coords.pick();
             match pick.client().heartbeat(request(req)).await {
                 Ok(resp) => {

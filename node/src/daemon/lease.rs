@@ -1,5 +1,5 @@
 //! This node's own view of its lease, by its own monotonic clock, one that
-//! counts the time the machine spends suspended ([`crate::clock`]): a node
+//! counts the time the machine spends suspended ([`pagewire_client::clock`]): a node
 //! suspended past its lease wakes up with the lease over, as the
 //! coordinator sees it.
 //!
@@ -61,13 +61,13 @@ impl Lease {
 
     /// Whether the lease holds now.
     pub(crate) fn valid(&self) -> bool {
-        self.nanos(crate::clock::now()) < self.until.load(Ordering::Relaxed)
+        self.nanos(pagewire_client::clock::now()) < self.until.load(Ordering::Relaxed)
     }
 
     /// Whether a lease was granted and has run out since (not revoked).
     pub(crate) fn lapsed(&self) -> bool {
         let until = self.until.load(Ordering::Relaxed);
-        until != 0 && self.nanos(crate::clock::now()) >= until
+        until != 0 && self.nanos(pagewire_client::clock::now()) >= until
     }
 
     pub(crate) fn margin(&self) -> Duration {
@@ -109,9 +109,9 @@ mod tests {
     #[test]
     fn a_suspend_longer_than_the_lease_ends_it() {
         let l = Lease::new(Duration::from_millis(100));
-        l.renew(crate::clock::now(), Duration::from_secs(3));
+        l.renew(pagewire_client::clock::now(), Duration::from_secs(3));
         assert!(l.valid());
-        crate::clock::suspend_for_test(Duration::from_secs(10));
+        pagewire_client::clock::suspend_for_test(Duration::from_secs(10));
         assert!(!l.valid(), "still valid after a 10 s suspend");
         assert!(l.lapsed());
     }

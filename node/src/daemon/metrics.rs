@@ -163,27 +163,27 @@ impl prometheus_client::collector::Collector for NodeCollector {
         )?;
         if let Some(src) = &n.one_sided {
             let r = src.reader_stats();
-            let st = &src.stats;
+            let st = src.stats();
             for (name, help, v) in [
                 (
                     "remote_pages",
                     "Pages of other nodes' extents this node read for callers",
-                    st.pages.load(Ordering::Relaxed),
+                    st.pages,
                 ),
                 (
                     "remote_one_sided_hits",
                     "Of those, read one-sidedly (no owner CPU)",
-                    st.one_sided.load(Ordering::Relaxed),
+                    st.one_sided,
                 ),
                 (
                     "remote_fallbacks",
                     "Of those, faulted in on the owner over gRPC",
-                    st.fallbacks.load(Ordering::Relaxed),
+                    st.fallbacks,
                 ),
                 (
                     "remote_connects",
                     "One-sided connections opened to owners",
-                    st.reconnects.load(Ordering::Relaxed),
+                    st.connects,
                 ),
                 ("remote_reads", "One-sided page reads attempted", r.reads),
                 (

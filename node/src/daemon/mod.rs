@@ -65,7 +65,7 @@ pub(crate) struct Node {
     /// refused as a stale map).
     pub(crate) page_source: Option<Arc<dyn PageSource>>,
     /// The same source, typed, for its counters.
-    pub(crate) one_sided: Option<Arc<remote_source::OneSided>>,
+    pub(crate) one_sided: Option<Arc<pagewire_client::OwnerPool>>,
     pub(crate) index: AtomicU32,
     pub(crate) incarnation: AtomicU64,
     /// The last pushed policy as applied (a refused part reads as what
@@ -91,7 +91,7 @@ impl Node {
         node_id: String,
         cache: Arc<PageCache>,
         served: Option<transports::Served>,
-        page_source: Option<Arc<remote_source::OneSided>>,
+        page_source: Option<Arc<pagewire_client::OwnerPool>>,
     ) -> Self {
         Node {
             node_id,
@@ -306,10 +306,11 @@ impl Node {
             return NodeStats::default();
         };
         let r = src.reader_stats();
+        let p = src.stats();
         NodeStats {
-            remote_pages: src.stats.pages.load(Ordering::Relaxed),
-            remote_one_sided: src.stats.one_sided.load(Ordering::Relaxed),
-            remote_fallbacks: src.stats.fallbacks.load(Ordering::Relaxed),
+            remote_pages: p.pages,
+            remote_one_sided: p.one_sided,
+            remote_fallbacks: p.fallbacks,
             remote_round_trips: r.round_trips,
             remote_retries: r.retries,
             remote_validation_failures: r.validation_failures,
@@ -424,10 +425,7 @@ pub(crate) async fn run(
         region_epoch = served.epoch,
         "cache open"
     );
-    let source = Arc::new(remote_source::OneSided::new(
-        token.clone(),
-        cache.page_size(),
-    ));
+    let source = Arc::new(remote_source::pool(&token, cache.page_size())?);
     let node = Arc::new(Node::new(&cfg, node_id, cache, Some(served), Some(source)));
     for t in node.served.iter().flat_map(|s| s.descriptors()) {
         tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");

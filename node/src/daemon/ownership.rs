@@ -40,7 +40,7 @@ use pagewire_proto::v1::OwnershipMap;
 use super::DaemonError;
 
 /// Reads pages of an extent this node does not serve from the node that
-/// does, without caching them here (`remote_source::OneSided` reads them
+/// does, without caching them here (`pagewire_client::OwnerPool` reads them
 /// one-sidedly). Without one, such reads are refused as a stale map.
 pub(crate) trait PageSource: Send + Sync {
     /// Pages `first..first + count` (all in one extent owned by `owner` at

@@ -1,7 +1,7 @@
 //! The one-sided remote reader: finds and reads a page in another node's
 //! registered region with READs alone, no code running on the owner.
 //!
-//! The bytes it reads are laid out as [`crate::layout`] documents, and it
+//! The bytes it reads are laid out as [`pagewire_layout`] documents, and it
 //! accepts a copy only through [`RawHeader::validate`], whose soundness for a
 //! copy made word by word in any order is argued in `raw/frames.rs` (and in
 //! ARCHITECTURE.md, "Remote hit"). Everything it reads from a bucket is a
@@ -39,7 +39,7 @@
 //! unknown key): [`RemoteError::Stale`], and the caller refetches the
 //! descriptor.
 
-use crate::layout::{IndexCode, LINE, RawBucket, RawHeader, SUPERBLOCK_HEAD, Superblock};
+use pagewire_layout::{IndexCode, LINE, RawBucket, RawHeader, SUPERBLOCK_HEAD, Superblock};
 use pagewire_rdma::{
     AccessFault, Connection, PostError, ReadError as WireError, ReadRequest, RegionDescriptor,
 };
@@ -105,7 +105,7 @@ pub enum RemoteError {
     #[error("READ not posted: {0}")]
     Post(#[from] PostError),
     #[error("the owner's superblock: {0}")]
-    Superblock(#[from] crate::layout::SuperblockError),
+    Superblock(#[from] pagewire_layout::SuperblockError),
     #[error("the superblock is of incarnation {found}, the descriptor of {expected}")]
     EpochMismatch { expected: u64, found: u64 },
     #[error("the region needs {need} bytes, the descriptor grants {granted}")]
@@ -258,7 +258,7 @@ impl<C: Connection> RemoteReader<C> {
     /// owners fence writes for a lease plus the margin). Call it again each
     /// time the map is confirmed current (a `WatchMap` message, a
     /// heartbeat reply). `until` is checked against a clock that counts the
-    /// time the machine spends suspended, as [`crate::client::MapFollower::trusted_until`]'s
+    /// time the machine spends suspended, as [`crate::cluster::MapFollower::trusted_until`]'s
     /// is; a deadline taken from `Instant::now()` only ends earlier.
     pub fn trust_until(&mut self, until: std::time::Instant) {
         self.trust_until = Some(until);
@@ -429,7 +429,8 @@ impl<C: Connection> RemoteReader<C> {
             let l = self.sb.layout;
             let mut spans: Vec<(usize, usize)> = Vec::new(); // (first bucket, count)
             for &i in &rest {
-                let b = crate::layout::bucket_of(first + i as u64, l.bucket_count as u64) as usize;
+                let b =
+                    pagewire_layout::bucket_of(first + i as u64, l.bucket_count as u64) as usize;
                 match spans.last_mut() {
                     Some((s, c)) if *s + *c == b => *c += 1,
                     Some((s, c)) if b >= *s && b < *s + *c => {}
@@ -450,7 +451,7 @@ impl<C: Connection> RemoteReader<C> {
             let mut found = Vec::new();
             for &i in &rest {
                 let page = first + i as u64;
-                let b = crate::layout::bucket_of(page, l.bucket_count as u64) as usize;
+                let b = pagewire_layout::bucket_of(page, l.bucket_count as u64) as usize;
                 let Some((k, &(s, _))) = spans
                     .iter()
                     .enumerate()
@@ -460,14 +461,14 @@ impl<C: Connection> RemoteReader<C> {
                 };
                 let off = (b - s) * LINE;
                 let bucket = RawBucket::decode(&bufs[k][off..off + LINE]).expect("64 bytes");
-                if bucket.ctrl & crate::layout::ctrl::LOCKED != 0 {
+                if bucket.ctrl & pagewire_layout::ctrl::LOCKED != 0 {
                     continue;
                 }
                 if let Some(val) = bucket.find(page) {
                     found.push((
                         i,
-                        crate::layout::val_frame(val),
-                        Some(crate::layout::val_gen32(val)),
+                        pagewire_layout::val_frame(val),
+                        Some(pagewire_layout::val_gen32(val)),
                     ));
                 }
             }
@@ -600,12 +601,12 @@ impl<C: Connection> RemoteReader<C> {
     /// Steps 2 and 4: find `page` in its bucket chain.
     fn walk(&mut self, page: u64, trips: &mut u32) -> Result<Walk, RemoteError> {
         let l = self.sb.layout;
-        let key = crate::layout::key_of(page);
-        let head_off = l.bucket(crate::layout::bucket_of(page, l.bucket_count as u64) as usize);
+        let key = pagewire_layout::key_of(page);
+        let head_off = l.bucket(pagewire_layout::bucket_of(page, l.bucket_count as u64) as usize);
         let mut buf = [0u8; LINE];
         self.read_line(head_off, &mut buf, trips)?;
         let head = RawBucket::decode(&buf).expect("64 bytes");
-        if head.ctrl & crate::layout::ctrl::LOCKED != 0 {
+        if head.ctrl & pagewire_layout::ctrl::LOCKED != 0 {
             return Ok(Walk::Torn);
         }
         let mut bucket = head;
@@ -614,8 +615,8 @@ impl<C: Connection> RemoteReader<C> {
             if let Some(val) = bucket.find(page) {
                 debug_assert!(bucket.slots.iter().any(|s| s.0 == key));
                 return Ok(Walk::Found(
-                    crate::layout::val_frame(val),
-                    crate::layout::val_gen32(val),
+                    pagewire_layout::val_frame(val),
+                    pagewire_layout::val_gen32(val),
                 ));
             }
             let Some(next) = bucket.next() else { break };

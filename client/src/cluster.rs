@@ -9,7 +9,7 @@
 //!   `Write` RPC, and retries through failover until a deadline.
 //!
 //! The node daemon reads other nodes' pages with the same connection code
-//! (`client::owner`); it bounds its trust in its map by its own lease instead.
+//! (`cluster::owner`); it bounds its trust in its map by its own lease instead.
 //!
 //! # Freshness (ARCHITECTURE.md, "Ownership, leases and writes")
 //!
@@ -24,7 +24,7 @@
 //! **Trust window.** A map is trusted until `t_send + lease − margin`, where
 //! `t_send` is when this process sent the request (`Status` or `GetMap`)
 //! whose answer confirmed the map's epoch as the coordinator's current one
-//! ([`trust_window`]; `client::follower` says why a `Status` epoch confirms a
+//! ([`trust_window`]; `cluster::follower` says why a `Status` epoch confirms a
 //! map). No operation starts on a map past its window, and every one-sided
 //! reader is given the window ([`crate::remote::RemoteReader::trust_until`]):
 //! a read that starts or *ends* past it fails with `LeaseExpired` and

@@ -67,28 +67,29 @@ fn suspended() -> Duration {
 }
 
 /// Now, by a monotonic clock that counts suspend (see the module doc).
-pub(crate) fn now() -> Instant {
+pub fn now() -> Instant {
     Instant::now() + suspended()
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-util"))]
 thread_local! {
     static INJECTED: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-util"))]
 fn injected() -> Duration {
     INJECTED.with(|c| c.get())
 }
 
-#[cfg(not(test))]
+#[cfg(not(any(test, feature = "test-util")))]
 fn injected() -> Duration {
     Duration::ZERO
 }
 
-/// Tests: as if this thread's machine had been suspended `d` more.
-#[cfg(test)]
-pub(crate) fn suspend_for_test(d: Duration) {
+/// Tests: as if this thread's machine had been suspended `d` more (feature
+/// `test-util`; the node's lease tests use it).
+#[cfg(any(test, feature = "test-util"))]
+pub fn suspend_for_test(d: Duration) {
     INJECTED.with(|c| c.set(c.get() + d));
 }
 

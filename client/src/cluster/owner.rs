@@ -1,6 +1,7 @@
 //! Connections to one owner's region, and the gRPC fault-in on the owner:
-//! what the node daemon (`daemon::remote_source`) and the standalone
-//! [`crate::client::ClusterClient`] share.
+//! what the [`crate::pool::OwnerPool`] (the node daemon's reads of pages it
+//! does not serve) and the standalone [`crate::cluster::ClusterClient`]
+//! share.
 //!
 //! An owner publishes its region in the ownership map (`MapNode.transports`):
 //! one descriptor per transport, all of one region epoch, which changes
@@ -132,19 +133,6 @@ pub(crate) struct ConnectHow<'a> {
     /// The tcp connection's settings (token, timeouts); the token is
     /// overwritten with `token`.
     pub(crate) tcp: ConnectionConfig,
-}
-
-impl<'a> ConnectHow<'a> {
-    /// What the node daemon uses: shm if reachable, else tcp, with the
-    /// transports' default settings.
-    pub(crate) fn daemon(token: &'a str) -> Self {
-        Self {
-            token,
-            transport: TransportChoice::Auto,
-            reader: ReaderConfig::default(),
-            tcp: ConnectionConfig::new(token.as_bytes().to_vec()),
-        }
-    }
 }
 
 /// The map's transport descriptor as the rdma crate names a region (None:
@@ -471,7 +459,13 @@ mod tests {
             eprintln!("skipped: this host has an RDMA device");
             return;
         }
-        let mut how = ConnectHow::daemon("auto-fallback-test-token");
+        let token = "auto-fallback-test-token";
+        let mut how = ConnectHow {
+            token,
+            transport: TransportChoice::Auto,
+            reader: ReaderConfig::default(),
+            tcp: ConnectionConfig::new(token.as_bytes().to_vec()),
+        };
         how.tcp.connect_timeout = Duration::from_millis(200);
         let e = connect(&owner_with(&["verbs", "tcp"]), &how)
             .err()

@@ -1,0 +1,110 @@
+//! pagewire-client: read and write pages of a pagewire cluster's file from
+//! any process.
+//!
+//! A pagewire cluster spreads one big file over its nodes; each node caches
+//! its share in a region that readers on other hosts read one-sidedly (RDMA
+//! READ over `verbs`, or its `shm` and `tcp` stand-ins), with no code
+//! running on the owner. This crate is everything a program needs to do
+//! that, without the node's cache, daemon or server:
+//!
+//! * [`MapFollower`]: one per process; polls the coordinator for the
+//!   ownership map and says until when it may be trusted.
+//! * [`ClusterClient`]: routes each page to the node that answers it, reads
+//!   it one-sidedly ([`remote`]) or with the owner's gRPC `Read`, writes
+//!   through the owner's `Write`, and retries through failover until a
+//!   deadline ([`cluster`] has the freshness argument and the fallback
+//!   table).
+//! * [`OwnerPool`]: one-sided connections to owners with the `FaultIn`
+//!   fallback, shared by threads; what the node daemon uses for pages it
+//!   does not serve.
+//! * [`remote::RemoteReader`]: the one-sided reader of one owner's region
+//!   (read-validate-retry over the layout of [`pagewire_layout`]).
+//! * [`clock`]: the monotonic clock of leases and trust windows, which
+//!   counts time spent suspended.
+//!
+//! # A complete program
+//!
+//! Reads page 7, writes it back with its first byte changed, and reads it
+//! again (`COORDINATORS` is the coordinators' `host:port` list, comma
+//! separated; `TOKEN` the cluster token):
+//!
+//! ```no_run
+//! use pagewire_client::{ClientConfig, ClientError, ClusterClient, MapFollower, Via};
+//!
+//! fn main() -> Result<(), ClientError> {
+//!     let token = std::env::var("TOKEN").unwrap_or_default();
+//!     let coordinators = std::env::var("COORDINATORS").unwrap_or("127.0.0.1:7000".into());
+//!     // One follower per process: it polls the coordinator in a thread.
+//!     let follower = MapFollower::start(&coordinators, &token)?;
+//!     // Waits (up to ClientConfig::op_deadline) for a node to register.
+//!     let mut client = ClusterClient::new(follower, &token, ClientConfig::default())?;
+//!
+//!     let mut page = vec![0u8; client.page_size()];
+//!     let info = client.read_page(7, &mut page)?;
+//!     println!(
+//!         "page 7 ({} bytes) from node {} via {:?} in {} attempt(s)",
+//!         client.page_len(7),
+//!         info.owner,
+//!         info.via,
+//!         info.attempts
+//!     );
+//!     if info.via == Via::OneSided {
+//!         println!("no code ran on the owner");
+//!     }
+//!
+//!     page[0] ^= 0xff;
+//!     let len = client.page_len(7);
+//!     let generation = client.write_page(7, &page[..len])?;
+//!     println!("write acknowledged: frame generation {generation}");
+//!
+//!     let mut again = vec![0u8; client.page_size()];
+//!     client.read_page(7, &mut again)?;
+//!     assert_eq!(again[..len], page[..len]);
+//!     println!("{:?}", client.stats());
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # Errors
+//!
+//! Every operation returns [`ClientError`]. Failover conditions (a node
+//! killed, frozen or cut off, a map change, an extent moving, a fenced
+//! write) are retried inside the call until [`ClientConfig::op_deadline`];
+//! what comes out is:
+//!
+//! | error | when | what to do |
+//! |---|---|---|
+//! | [`ClientError::Coordinator`] | no coordinator answered at start, or it refused the token | check the address list and the token |
+//! | [`ClientError::Addresses`] | the coordinator list is empty, too long or not `host:port` | fix the list |
+//! | [`ClientError::Token`] | the token is empty or not printable ASCII | fix the token |
+//! | [`ClientError::Runtime`] | the client's runtime or the follower's thread could not start | out of threads or memory |
+//! | [`ClientError::NoFile`] | no node registered within `op_deadline` | start a node, or wait longer |
+//! | [`ClientError::Unavailable`] | retries through failover ran out of time; `last` says why | retry later; the cluster is down or partitioned from here |
+//! | [`ClientError::BeyondEnd`] | a page past the end of the file | a bug in the caller |
+//! | [`ClientError::BufferSize`] | a read buffer shorter than a page | give `page_size` bytes |
+//! | [`ClientError::WriteLength`] | a write that is neither the page's valid length nor a whole page | write whole pages |
+//! | [`ClientError::Rejected`] | a node refused the request for good (a bad argument, a wrong token) | not retried: fix the request |
+//!
+//! [`OwnerPool::read_run`] returns [`PoolError`], every case of which the
+//! caller retries (the pool trusts no map: it reads the owner it is told).
+//!
+//! # Threads and runtimes
+//!
+//! Today a [`ClusterClient`] is `Send` and reads with `&mut self`: one per
+//! thread, all over one [`MapFollower`]. Its calls block (each client has
+//! its own current-thread tokio runtime), so none may be made from inside
+//! an async runtime.
+
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod clock;
+pub mod cluster;
+pub mod pool;
+pub mod remote;
+
+pub use cluster::{
+    ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadInfo,
+    ReadPath, Transport, TransportChoice, Via, read_owner, trust_window, write_owner,
+};
+pub use pool::{OwnerPool, PoolConfig, PoolError, PoolStats};
+pub use remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
