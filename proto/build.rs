@@ -12,7 +12,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let fds = protox::compile(files, ["proto"])?;
     tonic_prost_build::configure()
-        .build_server(true)
+        // Servers only with feature `server` (a client links no router).
+        .build_server(std::env::var_os("CARGO_FEATURE_SERVER").is_some())
         .build_client(true)
         .emit_rerun_if_changed(false)
         .compile_fds(fds)?;

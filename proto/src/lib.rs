@@ -6,8 +6,11 @@
 //! pagewire endpoint shares: the cluster token carried on every call
 //! ([`auth`]), TLS-aware channels ([`net`]), finding the leading coordinator and failing
 //! over between several ([`leader`]), the plain-HTTP Prometheus endpoint
-//! ([`metrics_http`]), and the ownership map's shared code: weighted
+//! ([`metrics_http`], feature `server`), and the ownership map's shared code: weighted
 //! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]).
+//!
+//! Feature `server` adds the server side (the generated servers, server
+//! TLS, [`metrics_http`]); clients build without it, and without axum.
 //!
 //! This crate depends on nothing of ours: the node, the coordinator, `pwctl`
 //! and the bench all build on it, never the other way round.
@@ -15,6 +18,7 @@
 pub mod auth;
 pub mod leader;
 pub mod map;
+#[cfg(feature = "server")]
 pub mod metrics_http;
 pub mod net;
 pub mod rendezvous;

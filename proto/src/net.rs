@@ -3,11 +3,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+#[cfg(feature = "server")]
 use tokio::net::TcpListener;
+#[cfg(feature = "server")]
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{
-    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
-};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+#[cfg(feature = "server")]
+use tonic::transport::{Identity, ServerTlsConfig};
 
 /// Why a channel or a TLS setting could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -53,8 +55,9 @@ pub struct ClientTls {
     pub domain: String,
 }
 
-/// How a server proves itself: certificate chain and key (PEM), and
+/// How a server proves itself (feature `server`): certificate chain and key (PEM), and
 /// optionally a CA that clients' certificates must chain to (mutual TLS).
+#[cfg(feature = "server")]
 #[derive(Debug, Clone)]
 pub struct ServerTls {
     pub cert_file: PathBuf,
@@ -62,6 +65,7 @@ pub struct ServerTls {
     pub client_ca_file: Option<PathBuf>,
 }
 
+#[cfg(feature = "server")]
 impl ServerTls {
     pub fn config(&self) -> Result<ServerTlsConfig, NetError> {
         let identity = Identity::from_pem(read(&self.cert_file)?, read(&self.key_file)?);
@@ -77,6 +81,7 @@ impl ServerTls {
 /// set on each. tonic ignores `Server::tcp_nodelay` for a listener it did
 /// not bind itself, and without it a small response can wait for the peer's
 /// delayed ACK (about 40 ms on Linux) behind Nagle's algorithm.
+#[cfg(feature = "server")]
 pub fn incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
@@ -148,7 +153,7 @@ pub fn connect_lazy(
     Ok(endpoint(address, tls, connect_timeout)?.connect_lazy())
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "server"))]
 mod tests {
     use tokio_stream::StreamExt;
 
