@@ -370,3 +370,48 @@ impl OwnerPool {
         Ok((data, gens))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    #[test]
+    fn a_token_that_cannot_be_sent_is_refused_when_the_pool_is_made() {
+        let rt = rt();
+        let bad = OwnerPool::new("", 4096, PoolConfig::new(""), rt.handle().clone());
+        assert!(bad.is_err(), "an empty token was accepted");
+        let good = OwnerPool::new("t0ken", 4096, PoolConfig::new("t0ken"), rt.handle().clone());
+        assert!(good.is_ok());
+    }
+
+    /// An owner that publishes no transport cannot be read: the error names
+    /// the node and why, and nothing counts as read or connected.
+    #[test]
+    fn an_owner_without_descriptors_is_a_connect_error_naming_it() {
+        let rt = rt();
+        let pool = OwnerPool::new("t0ken", 4096, PoolConfig::new("t0ken"), rt.handle().clone())
+            .expect("pool");
+        let owner = MapNode {
+            index: 9,
+            node_id: "node-9".into(),
+            ..MapNode::default()
+        };
+        let e = pool.read_run(&owner, 40, 2).expect_err("nothing to read");
+        match &e {
+            PoolError::Connect { node, reason } => {
+                assert_eq!(node, "node-9");
+                assert!(reason.contains("publishes no"), "{reason}");
+            }
+            other => panic!("expected a connect error, got {other:?}"),
+        }
+        assert_eq!(e.page(40), 40);
+        assert_eq!(pool.stats(), PoolStats::default());
+    }
+}
