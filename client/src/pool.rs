@@ -42,7 +42,8 @@ pub struct PoolConfig {
     pub transport: TransportChoice,
     /// The one-sided readers' retries.
     pub reader: ReaderConfig,
-    /// The tcp transport's settings (its token is replaced by the pool's).
+    /// The tcp transport's settings; its token is left empty here and the
+    /// pool's is used.
     pub tcp: ConnectionConfig,
     /// How long a `FaultIn` on an owner may take, connecting included
     /// (default 2 s): past it the read fails as the owner unavailable,
@@ -50,13 +51,13 @@ pub struct PoolConfig {
     pub fault_in_deadline: Duration,
 }
 
-impl PoolConfig {
-    /// The transports' default settings, with `token`.
-    pub fn new(token: &str) -> Self {
+impl Default for PoolConfig {
+    /// The transports' default settings.
+    fn default() -> Self {
         Self {
             transport: TransportChoice::Auto,
             reader: ReaderConfig::default(),
-            tcp: ConnectionConfig::new(token.as_bytes().to_vec()),
+            tcp: ConnectionConfig::new(Vec::new()),
             fault_in_deadline: Duration::from_secs(2),
         }
     }
@@ -385,9 +386,9 @@ mod tests {
     #[test]
     fn a_token_that_cannot_be_sent_is_refused_when_the_pool_is_made() {
         let rt = rt();
-        let bad = OwnerPool::new("", 4096, PoolConfig::new(""), rt.handle().clone());
+        let bad = OwnerPool::new("", 4096, PoolConfig::default(), rt.handle().clone());
         assert!(bad.is_err(), "an empty token was accepted");
-        let good = OwnerPool::new("t0ken", 4096, PoolConfig::new("t0ken"), rt.handle().clone());
+        let good = OwnerPool::new("t0ken", 4096, PoolConfig::default(), rt.handle().clone());
         assert!(good.is_ok());
     }
 
@@ -396,7 +397,7 @@ mod tests {
     #[test]
     fn an_owner_without_descriptors_is_a_connect_error_naming_it() {
         let rt = rt();
-        let pool = OwnerPool::new("t0ken", 4096, PoolConfig::new("t0ken"), rt.handle().clone())
+        let pool = OwnerPool::new("t0ken", 4096, PoolConfig::default(), rt.handle().clone())
             .expect("pool");
         let owner = MapNode {
             index: 9,

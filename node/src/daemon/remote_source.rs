@@ -25,7 +25,7 @@ pub(crate) fn pool(token: &str, page_size: usize) -> Result<OwnerPool, DaemonErr
     OwnerPool::new(
         token,
         page_size,
-        PoolConfig::new(token),
+        PoolConfig::default(),
         tokio::runtime::Handle::current(),
     )
     .map_err(|e| DaemonError::Config {
