@@ -8,7 +8,8 @@
 //! Modules: `coord` (the `--coordinator` list and failover between
 //! coordinators), `status` (`pwctl status`), `diagnose` (what a wrong
 //! `--coordinator` address is), `stats` (the fan-out to the nodes), `range`
-//! (warm and evict in chunks, with progress).
+//! (warm and evict in chunks, with progress), `owner` (`pwctl owner`: which
+//! node answers a page).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -51,6 +52,7 @@ macro_rules! outln {
 
 mod coord;
 mod diagnose;
+mod owner;
 mod range;
 mod stats;
 mod status;
@@ -65,7 +67,8 @@ use diagnose::CallFailed;
     version,
     after_help = "Exit status: 0 success; 1 the operation failed (coordinator unreachable, a \
                   node refused, a drain did not finish in time); 2 usage or configuration \
-                  error (bad flags or RANGE, no token, unreadable or empty token file)."
+                  error (bad flags or RANGE, no token, unreadable or empty token file, a page \
+                  past the end of the file)."
 )]
 struct Cli {
     /// Coordinator addresses, comma-separated (host:port or URL, at most
@@ -142,6 +145,21 @@ enum Cmd {
     },
     /// NUMA layout of each node.
     Topology,
+    /// Which node answers reads of a page and which takes its writes, at
+    /// the current map: the page, its extent, both nodes (id, index, gRPC
+    /// address, state) and the map epoch. During a handoff the previous
+    /// owner answers reads and the new owner takes writes (once the
+    /// handoff completes).
+    #[command(
+        after_help = "WHERE is a byte offset in the file (`1M` is byte 1048576; K, M, \
+                  G, T suffixes are powers of 1024) or `p` and a page number (`p7`, `p2K` \
+                  is page 2048)."
+    )]
+    Owner {
+        /// A byte offset (4096, 1M) or pPAGE (p7): see below.
+        #[arg(value_name = "WHERE")]
+        target: String,
+    },
     /// Show the admission/eviction policy, or change it.
     Policy {
         /// always | second-hit
@@ -183,13 +201,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(async {
+    exit_code(rt.block_on(async {
         let r = run(cli).await;
         match r {
             Err(e) => Err(explain(e).await),
             ok => ok,
         }
-    }) {
+    }))
+}
+
+/// The exit status of a command's outcome (the error printed first).
+fn exit_code(r: anyhow::Result<bool>) -> ExitCode {
+    match r {
         Ok(ok) => {
             if ok {
                 ExitCode::SUCCESS
@@ -253,6 +276,14 @@ fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
     })
 }
 
+/// `--tls-ca` and `--tls-domain`: TLS towards the coordinator and the nodes.
+fn client_tls(cli: &Cli) -> Option<ClientTls> {
+    cli.tls_ca.clone().map(|ca_file| ClientTls {
+        ca_file,
+        domain: cli.tls_domain.clone(),
+    })
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
@@ -282,10 +313,7 @@ fn expand_map(map: OwnershipMap) -> anyhow::Result<OwnershipMap> {
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     let ctx = &Ctx {
         token: token(&cli)?,
-        tls: cli.tls_ca.clone().map(|ca_file| ClientTls {
-            ca_file,
-            domain: cli.tls_domain.clone(),
-        }),
+        tls: client_tls(&cli),
         timeout: Duration::from_millis(cli.timeout_ms.max(1)),
         json: cli.json,
     };
@@ -294,6 +322,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         Cmd::Warm { range } | Cmd::Evict { range } => {
             Some(parse_range(range).map_err(|e| Usage(format!("bad RANGE {range:?}: {e}")))?)
         }
+        _ => None,
+    };
+    let owner_target = match &cli.cmd {
+        Cmd::Owner { target } => Some(
+            owner::parse_target(target)
+                .map_err(|e| Usage(format!("bad WHERE {target:?}: {e} (OFFSET or pPAGE)")))?,
+        ),
         _ => None,
     };
     let policy_change = match &cli.cmd {
@@ -511,6 +546,12 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             print_topology(&nodes, ctx.json);
             Ok(true)
         }
+        Cmd::Owner { .. } => {
+            let map = get_map(&mut c, ctx).await?;
+            let target = owner_target.expect("parsed above");
+            owner::locate(&map, target)?.print(ctx.json);
+            Ok(true)
+        }
         Cmd::Policy { .. } => {
             let current = c
                 .call("status", |mut c| async move {
@@ -638,6 +679,18 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .map_err(|_| format!("{s:?} is not a size"))?;
     n.checked_mul(mult)
         .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// Parses a count (of pages): digits with an optional K, M, G or T suffix
+/// (powers of 1024), without the byte sizes' B.
+fn parse_count(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    if t.ends_with(['b', 'B']) {
+        return Err(format!(
+            "{s:?} is not a page number (pages count pages, not bytes)"
+        ));
+    }
+    parse_size(t).map_err(|_| format!("{s:?} is not a page number"))
 }
 
 /// Parses RANGE into (offset, length).
