@@ -1,0 +1,105 @@
+//! pagewire-mount: the cluster's file as a file. A FUSE mount of a
+//! directory that holds one file (default name `data`) whose bytes are the
+//! cluster's file, read (and, with `--writable`, written) through one
+//! shared `pagewire_client::ClusterClient`.
+//!
+//! This crate is a leaf: it depends on `pagewire-client` (and `proto` for
+//! the TLS settings) and on nothing of the node or the coordinator; nothing
+//! depends on it.
+//!
+//! # Request flow
+//!
+//! ```text
+//! kernel ──/dev/fuse──▶ FUSE threads (fuser, one cloned fd each)
+//!                         │ lookup, getattr, readdir, open, statfs, flush:
+//!                         │   answered at once from what the mount knows
+//!                         │ read, write:
+//!                         ▼
+//!                       Dispatcher queue ──▶ worker threads ──▶ Source ──▶ ClusterClient
+//!                         │                      │ reply from the worker
+//!                         └── watchdog ──────────┴─ or EIO at the deadline
+//! ```
+//!
+//! * **read** `(offset, size)`: cut at the end of the file, widened to the
+//!   cluster pages it covers ([`range`]), read as one `read_run` (one
+//!   doorbell for the run over one-sided paths), and the requested bytes
+//!   copied out of the run into the reply. The kernel sends up to
+//!   [`MAX_READ`] (1 MiB) per request: the mount option `max_read`, a
+//!   `max_write` of 1 MiB at FUSE init (which sets the kernel's
+//!   `max_pages`), and the device's readahead raised to 1 MiB after the
+//!   mount.
+//! * **write** (`--writable`): split at page boundaries; a page covered
+//!   whole (its valid length) is one `write_page`; a partial page is read
+//!   (`read_run` of one page), patched and written whole. Pages of one
+//!   stripe (page number mod 64) are written one at a time within the
+//!   process, so two partial writes of one page through this mount do not
+//!   lose each other's bytes; writers in other processes or on other hosts
+//!   are not ordered with them (mount/README.md, "Writes").
+//! * Consistency ([`Consistency`]): direct I/O by default (no page cache,
+//!   every read asks the cluster), or the kernel page cache with a bound
+//!   on the age of cached pages.
+//!
+//! # Deadlines
+//!
+//! Every read and write is answered within the mount's deadline
+//! (`--deadline-ms`, default 10 s) of reaching the mount: the client's
+//! `op_deadline` is the same value, so the client itself gives up by then
+//! (retrying through failover until it does), and a watchdog
+//! ([`deadline`]) answers `EIO` at the deadline for any request the client
+//! has not finished (or that is still queued behind busy workers), with a
+//! log line naming the request. A dead or unreachable cluster is therefore
+//! an `EIO` after at most the deadline, never a hang. Requests that need
+//! no cluster (stat, readdir, open) never wait.
+
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod deadline;
+pub mod fs;
+pub mod mountpoint;
+pub(crate) mod range;
+pub mod source;
+
+use std::time::Duration;
+
+pub use fs::PageFs;
+pub use source::{Source, SourceError};
+
+/// The largest read or write the kernel sends in one request (bytes).
+pub const MAX_READ: u32 = 1 << 20;
+
+/// How reads relate to the kernel's page cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Consistency {
+    /// Every read goes to the cluster (FOPEN_DIRECT_IO): a read that
+    /// starts after a write was acknowledged returns it or newer bytes.
+    Direct,
+    /// The kernel caches pages, attributes and the directory entry; the
+    /// mount drops the file's cached pages every this often.
+    Cached(Duration),
+}
+
+/// Settings of a mount.
+#[derive(Clone, Debug)]
+pub struct MountConfig {
+    /// The one file's name in the mounted directory.
+    pub name: String,
+    pub consistency: Consistency,
+    /// Writes allowed (else the mount is read-only: EROFS).
+    pub writable: bool,
+    /// Every read and write is answered within this (EIO after it).
+    pub deadline: Duration,
+    /// Threads that run cluster reads and writes at once.
+    pub workers: usize,
+}
+
+impl Default for MountConfig {
+    fn default() -> Self {
+        Self {
+            name: "data".into(),
+            consistency: Consistency::Direct,
+            writable: false,
+            deadline: Duration::from_secs(10),
+            workers: 16,
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The one place the mount touches the cluster: [`Source`] wraps the
+//! process's one shared [`ClusterClient`] and turns its errors into what a
+//! FUSE reply can carry.
+
+use pagewire_client::{ClientError, ClusterClient};
+
+/// The cluster's file, in pages: one per process, shared by every worker.
+pub struct Source {
+    client: ClusterClient,
+    page_size: usize,
+    file_size: u64,
+}
+
+/// Why a read or write of the cluster failed (every case is `EIO` to the
+/// caller, with this as the log line).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceError {
+    /// The client gave up (deadline passed, node refused, ...).
+    #[error(transparent)]
+    Client(#[from] ClientError),
+}
+
+impl Source {
+    /// Wraps `client` (its `op_deadline` should be the mount's deadline).
+    pub fn new(client: ClusterClient) -> Self {
+        let page_size = client.page_size();
+        let file_size = client.file_size();
+        Self {
+            client,
+            page_size,
+            file_size,
+        }
+    }
+
+    /// The cluster's page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// The file's size in bytes.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// The valid length of `page` (`page_size`, less for a partial last page).
+    pub fn page_len(&self, page: u64) -> usize {
+        let start = page.saturating_mul(self.page_size as u64);
+        self.file_size
+            .saturating_sub(start)
+            .min(self.page_size as u64) as usize
+    }
+
+    /// Pages `first..first + count` into `out` (at least `count *
+    /// page_size` bytes; each page's valid length, then zeros), as one
+    /// batched run.
+    pub fn read_run(&self, first: u64, count: usize, out: &mut [u8]) -> Result<(), SourceError> {
+        self.client.read_run(first, count, out)?;
+        Ok(())
+    }
+
+    /// Writes `page` whole (`data` is its valid length) through its owner;
+    /// returns once the backing file has it.
+    pub fn write_page(&self, page: u64, data: &[u8]) -> Result<(), SourceError> {
+        self.client.write_page(page, data)?;
+        Ok(())
+    }
+}
