@@ -21,7 +21,8 @@ fn fio_write(path: &Path, size: u64) {
     sh_ok(
         &format!(
             "fio --name=fill --filename={} --rw=write --bs=4k --size={size} \
-             --ioengine=psync --verify=crc32c --do_verify=0 --output-format=terse",
+             --ioengine=psync --verify=crc32c --do_verify=0 --verify_state_save=0 \
+             --output-format=terse",
             path.display()
         ),
         Duration::from_secs(60),
