@@ -260,7 +260,7 @@ impl Pace {
     }
 }
 
-fn reader(sh: &Shared, mut c: ClusterClient, rate: f64, seed: u64) {
+fn reader(sh: &Shared, c: &ClusterClient, rate: f64, seed: u64) {
     let pages = c.file_pages();
     let mut buf = vec![0u8; c.page_size()];
     let mut rng = fastrand::Rng::with_seed(seed);
@@ -282,10 +282,9 @@ fn reader(sh: &Shared, mut c: ClusterClient, rate: f64, seed: u64) {
             }
         }
     }
-    sh.add_stats(&c);
 }
 
-fn writer(sh: &Shared, mut c: ClusterClient, w: u64, writers: u64, rate: f64, seed: u64) {
+fn writer(sh: &Shared, c: &ClusterClient, w: u64, writers: u64, rate: f64, seed: u64) {
     let pages = c.file_pages();
     let mut buf = vec![0u8; c.page_size()];
     let mut rng = fastrand::Rng::with_seed(seed);
@@ -314,7 +313,7 @@ fn writer(sh: &Shared, mut c: ClusterClient, w: u64, writers: u64, rate: f64, se
 
 /// Sweeps one page of every extent (another page each sweep); a sweep that
 /// read them all is recorded with its start and end.
-fn prober(sh: &Shared, mut c: ClusterClient) {
+fn prober(sh: &Shared, c: ClusterClient) {
     let map = c.follower().map();
     let per_extent = (map.extent_size / u64::from(map.page_size).max(1)).max(1);
     let pages = c.file_pages();
@@ -391,8 +390,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let follower = MapFollower::start(&a.coordinator, &token)
         .with_context(|| format!("following the map of {}", a.coordinator))?;
-    let first = ClusterClient::new(follower.clone(), &token, cfg.clone())?;
-    let pages = first.file_pages();
+    // One client for the process's readers and writers, as a program
+    // would have; the prober has its own (a shorter deadline).
+    let client = Arc::new(ClusterClient::new(follower.clone(), &token, cfg.clone())?);
+    let pages = client.file_pages();
     let sh = Arc::new(Shared {
         counts: Counts::default(),
         acked: (0..pages).map(|_| AtomicU64::new(0)).collect(),
@@ -401,21 +402,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         totals: Mutex::new(Totals::default()),
     });
     let mut threads = Vec::new();
-    let mut first = Some(first);
     for i in 0..a.threads.max(1) {
-        let c = match first.take() {
-            Some(c) => c,
-            None => ClusterClient::new(follower.clone(), &token, cfg.clone())?,
-        };
+        let c = client.clone();
         let (sh, seed, rate) = (sh.clone(), a.seed ^ ((i as u64 + 1) << 40), a.read_rate);
-        threads.push(std::thread::spawn(move || reader(&sh, c, rate, seed)));
+        threads.push(std::thread::spawn(move || reader(&sh, &c, rate, seed)));
     }
     for w in 0..a.writers {
-        let c = ClusterClient::new(follower.clone(), &token, cfg.clone())?;
+        let c = client.clone();
         let (sh, seed) = (sh.clone(), a.seed ^ 0x5752 ^ ((w as u64 + 1) << 48));
         let (n, rate) = (a.writers as u64, a.write_rate);
         threads.push(std::thread::spawn(move || {
-            writer(&sh, c, w as u64, n, rate, seed)
+            writer(&sh, &c, w as u64, n, rate, seed)
         }));
     }
     if a.probe_deadline_ms > 0 {
@@ -485,6 +482,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     for t in threads {
         let _ = t.join();
     }
+    sh.add_stats(&client);
     emit(&mut out, &serde_json::json!({ "tick": tick(&sh) }))?;
     let t = std::mem::take(&mut *sh.totals.lock().unwrap_or_else(|e| e.into_inner()));
     let bad = t.wrong + t.stale;

@@ -75,14 +75,16 @@ pub struct Args {
     #[arg(long = "run", value_delimiter = ',', default_value = "1,16")]
     pub run: Vec<usize>,
     /// Paths to measure, comma-separated: shm, tcp, verbs (one-sided;
-    /// verbs needs the `verbs` feature and an RDMA device), grpc, redis,
+    /// verbs needs the `verbs` feature and an RDMA device), client (one
+    /// `ClusterClient` shared by every client thread, over the daemon's shm
+    /// and tcp: the library as programs use it), grpc, redis,
     /// raw_tcp (the ping-pong floor: one that spins for `--spin-us`, one
     /// that blocks at once), perftest (ib_read_lat and ib_read_bw of 4 KiB
     /// on the same RDMA link: the verbs floor).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "shm,tcp,grpc,redis,raw_tcp"
+        default_value = "shm,tcp,client,grpc,redis,raw_tcp"
     )]
     pub paths: Vec<String>,
     /// Who serves the one-sided rows: `auto` (the daemon when its
@@ -286,6 +288,27 @@ fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<S
         reader_cpu_us: reader0.zip(reader1).map(|(a, b)| (b - a) / reads),
         counters,
     })
+}
+
+/// Primes `cs` on as many threads at once, so that each holds its own
+/// reader of a shared client while it primes (every reader warm).
+fn prime_on_threads(cs: Vec<Box<dyn Client>>, pages: u64) -> anyhow::Result<Vec<Box<dyn Client>>> {
+    let handles: Vec<_> = cs
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                let r = c.prime(pages);
+                (c, r)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        let (c, r) = h.join().map_err(|_| anyhow::anyhow!("a client panicked"))?;
+        r?;
+        out.push(c);
+    }
+    Ok(out)
 }
 
 /// What `pattern::verify` of one page costs here, µs (median of 5 passes
@@ -733,8 +756,8 @@ pub fn redis_benchmark(
 /// # Errors
 /// A setup step failed, a client failed, or a page read was wrong.
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    const KNOWN: [&str; 7] = [
-        "shm", "tcp", "verbs", "grpc", "redis", "raw_tcp", "perftest",
+    const KNOWN: [&str; 8] = [
+        "shm", "tcp", "verbs", "client", "grpc", "redis", "raw_tcp", "perftest",
     ];
     if let Some(p) = a.paths.iter().find(|p| !KNOWN.contains(&p.as_str())) {
         bail!("unknown path {p:?} (known: {})", KNOWN.join(", "));
@@ -819,7 +842,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let frames = 2 * pages as usize;
 
     // The daemon: the gRPC row, and the one-sided owner once it serves shm/tcp.
-    let need_daemon = want("grpc") || a.owner == "daemon" || want("verbs") || elsewhere;
+    let need_daemon =
+        want("grpc") || want("client") || a.owner == "daemon" || want("verbs") || elsewhere;
     let cluster = if need_daemon {
         match cluster::binaries(a.bin_dir.as_deref()) {
             Some(bins) => Some(cluster::Cluster::start(
@@ -975,6 +999,47 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                         runs: a.run.clone(),
                     });
                 }
+            }
+        }
+        if let Some(c) = &cluster {
+            // tcp_1conn: every thread's reader a handle on one connection.
+            for (label, transport, tcp_shared) in [
+                ("shm", "shm", false),
+                ("tcp", "tcp", false),
+                ("tcp_1conn", "tcp", true),
+            ] {
+                if !want("client") || !c.transports.iter().any(|t| t.kind == transport) {
+                    continue;
+                }
+                let follower = pagewire_client::MapFollower::start(&c.coordinator_addr, c.token())?;
+                let shared = Arc::new(pagewire_client::ClusterClient::new(
+                    follower,
+                    c.token(),
+                    pagewire_client::ClientConfig {
+                        transport: transport.parse().map_err(anyhow::Error::msg)?,
+                        tcp_shared,
+                        ..Default::default()
+                    },
+                )?);
+                let mut cs: Vec<Box<dyn Client>> = Vec::new();
+                for _ in 0..n {
+                    cs.push(Box::new(clients::SharedCluster::new(shared.clone())));
+                }
+                // Prime on as many threads at once: one warm reader each.
+                let cs = prime_on_threads(cs, pages)?;
+                groups.push(Group {
+                    path: "client_shared",
+                    transport: label,
+                    index_cache: "warm",
+                    owner: "pagewire-node",
+                    owner_cpu: if elsewhere {
+                        OwnerCpu::Machine(placement.clone())
+                    } else {
+                        OwnerCpu::Pid(c.node_pid())
+                    },
+                    clients: cs,
+                    runs: a.run.clone(),
+                });
             }
         }
         if n == 1

@@ -3,10 +3,12 @@
 //!
 //! * [`MapFollower`]: one thread per process polls the coordinator and says
 //!   until when the map may be trusted (the *trust window*).
-//! * [`ClusterClient`]: one per thread; routes each page to the node that
-//!   answers it, reads it one-sidedly ([`crate::remote`], over `shm` or
-//!   `tcp`) or with the two-sided `Read` RPC, writes through the owner's
-//!   `Write` RPC, and retries through failover until a deadline.
+//! * [`ClusterClient`]: one per process, shared by every thread (`Send +
+//!   Sync`, `&self`); routes each page to the node that answers it, reads
+//!   it one-sidedly ([`crate::remote`] through the [`crate::OwnerPool`],
+//!   over `shm`, `verbs` or `tcp`) or with the two-sided `Read` RPC, writes
+//!   through the owner's `Write` RPC, and retries through failover until a
+//!   deadline.
 //!
 //! The node daemon reads other nodes' pages with the same connection code
 //! (`cluster::owner`); it bounds its trust in its map by its own lease instead.
@@ -105,25 +107,56 @@
 //! margin`, and every operation then returns `Unavailable` after its
 //! deadline until a poll succeeds again.
 //!
-//! gRPC from this synchronous API: each client has its own current-thread
-//! tokio runtime and blocks on it, so none of these calls may be made from
-//! inside an async runtime.
+//! # One client per process
+//!
+//! Every thread of a process reads through one [`ClusterClient`]:
+//!
+//! * **Connections.** One gRPC channel per node, multiplexed; one `verbs`
+//!   queue pair per owner (readers are handles on it); `tcp` one connection
+//!   per reader thread, or one per owner with [`ClientConfig::tcp_shared`];
+//!   `shm` readers each map the owner's file (no state on the owner). See
+//!   [`crate::pool`].
+//! * **Hit path.** Each thread reads through its own reader (its own index
+//!   cache), taken from per-thread slots, with its own copy of the
+//!   `(map, trust window)` pair, refreshed when the follower's sequence
+//!   number moves, and its own counters: two threads reading at once write
+//!   no common cache line (`crate::slot`). [`ClusterClient::stats`] sums
+//!   the slots.
+//! * **Runs.** [`ClusterClient::read_run`] reads the pages one node answers
+//!   in batches of [`crate::pool::RUN_CHUNK`] under one doorbell each, the
+//!   misses among them in one `FaultIn` per stretch, each node's part with
+//!   its own retries; a run over several nodes goes node by node.
+//! * **Single flight.** Concurrent reads of the same run share one read,
+//!   one that started after each of them was asked for (`cluster::flight`
+//!   says why that keeps the freshness guarantee above).
+//!
+//! gRPC from this synchronous API: the client has a tokio runtime with one
+//! worker thread for its connections, and callers' threads block on it, so
+//! none of these calls may be made from inside an async runtime (use
+//! `spawn_blocking`).
 
+mod flight;
 mod follower;
 pub(crate) mod owner;
 
 pub use follower::{FollowerConfig, MapFollower, trust_window};
 pub use owner::{Transport, TransportChoice};
 
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError};
+use crate::pool::{OwnerPool, PoolConfig, PoolError, RunOptions};
+use crate::remote::{ReaderConfig, ReaderStats};
+use crate::slot::Padded;
+use flight::{Answer, Flights, Role};
 use follower::Snapshot;
-use owner::{ConnectHow, NodeRpc, OwnerConn};
+use owner::NodeRpc;
 use pagewire_proto::auth::{AttachToken, TokenError};
+use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::{MapNode, OwnershipMap, PageRun, ReadRequest, WriteRequest};
 use pagewire_rdma::tcp::ConnectionConfig;
 
@@ -159,6 +192,13 @@ pub struct ClientConfig {
     pub backoff_min: Duration,
     /// Largest backoff (default 100 ms).
     pub backoff_max: Duration,
+    /// TLS for the gRPC channels to nodes (`Read`, `Write`, `FaultIn`): the
+    /// CA that signs the nodes' certificates and the name they carry. None:
+    /// plain text. (The coordinator's is [`FollowerConfig::tls`].)
+    pub tls: Option<ClientTls>,
+    /// One `tcp` connection per owner for the whole process
+    /// ([`crate::PoolConfig::tcp_shared`]; default `false`).
+    pub tcp_shared: bool,
 }
 
 impl Default for ClientConfig {
@@ -172,6 +212,8 @@ impl Default for ClientConfig {
             rpc_timeout: Duration::from_secs(1),
             backoff_min: Duration::from_millis(1),
             backoff_max: Duration::from_millis(100),
+            tls: None,
+            tcp_shared: false,
         }
     }
 }
@@ -187,7 +229,7 @@ pub enum Via {
     Grpc,
 }
 
-/// What one read took.
+/// What one page of a read took.
 #[derive(Clone, Copy, Debug)]
 pub struct ReadInfo {
     /// The path that returned the bytes.
@@ -200,12 +242,24 @@ pub struct ReadInfo {
     /// (`None` for the gRPC `Read`): a `FaultIn` read names the transport
     /// whose miss sent it to the owner.
     pub transport: Option<Transport>,
+    /// The frame generation of the copy read (0: the node served the page
+    /// without caching it). Compare only for equality, for one owner.
+    pub generation: u64,
+    /// Another thread's read of the same run answered this one (a read
+    /// that started after this one was asked for).
+    pub coalesced: bool,
+}
+
+/// What a [`ClusterClient::read_run`] took: one entry per page.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    pub pages: Vec<ReadInfo>,
 }
 
 /// Counters of one [`ClusterClient`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ClientStats {
-    /// Reads that returned bytes (`one_sided + fault_ins + grpc_reads`).
+    /// Pages read (`one_sided + fault_ins + grpc_reads + coalesced`).
     pub reads: u64,
     /// Reads answered by one-sided READs.
     pub one_sided: u64,
@@ -228,6 +282,9 @@ pub struct ClientStats {
     pub map_refreshes: u64,
     /// Operations that returned [`ClientError::Unavailable`].
     pub unavailable: u64,
+    /// Pages answered by another thread's read of the same run (single
+    /// flight); counted in `reads`, not in `one_sided`/`fault_ins`/`grpc_reads`.
+    pub coalesced: u64,
     /// Attempts that found the map past its trust window (before starting,
     /// or a one-sided read's `LeaseExpired`) and waited for a poll.
     pub lease_waits: u64,
@@ -351,33 +408,69 @@ fn reader_of(map: &OwnershipMap, page: u64) -> Result<(u32, &MapNode), Step> {
     Ok((index, node_of(map, index, page)?))
 }
 
-/// Reads and writes pages of the cluster's file. One per thread (Send, not necessarily Sync).
+/// Per-thread-slot counters of a [`ClusterClient`].
+#[derive(Default)]
+struct Counters {
+    reads: AtomicU64,
+    one_sided: AtomicU64,
+    fault_ins: AtomicU64,
+    grpc_reads: AtomicU64,
+    one_sided_shm: AtomicU64,
+    one_sided_verbs: AtomicU64,
+    one_sided_tcp: AtomicU64,
+    writes: AtomicU64,
+    retries: AtomicU64,
+    map_refreshes: AtomicU64,
+    unavailable: AtomicU64,
+    lease_waits: AtomicU64,
+    coalesced: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Reads and writes pages of the cluster's file: one per process, shared
+/// by every thread (`Send + Sync`, every call takes `&self`).
 pub struct ClusterClient {
     follower: Arc<MapFollower>,
     cfg: ClientConfig,
-    token: String,
     attach: AttachToken,
+    /// Runs the gRPC calls; callers' threads block on it.
     rt: tokio::runtime::Runtime,
-    snap: Snapshot,
+    /// One-sided readers of owners, and `FaultIn`.
+    pool: OwnerPool,
     page_size: usize,
     file_size: u64,
     file_pages: u64,
-    /// One-sided connections by node index.
-    owners: HashMap<u32, OwnerConn>,
-    /// gRPC clients by node address.
-    channels: HashMap<String, NodeRpc>,
-    /// Nodes and addresses connected to before (for `reconnects`).
-    seen_owners: HashSet<u32>,
-    seen_channels: HashSet<String>,
-    /// Reader counters of connections since closed.
-    retired: ReaderStats,
-    stats: ClientStats,
+    /// gRPC clients (`Read`, `Write`) by node address.
+    channels: Mutex<HashMap<String, NodeRpc>>,
+    /// Addresses connected to before (for `reconnects`).
+    seen_channels: Mutex<HashSet<String>>,
+    channel_reconnects: AtomicU64,
+    slots: Box<[Padded<Counters>]>,
+    flights: Flights,
+    /// This client, for the threads' cached snapshots (`THREAD_SNAPS`).
+    id: u64,
+    alive: Arc<()>,
 }
 
 const _: fn() = || {
-    fn send<T: Send>() {}
-    send::<ClusterClient>();
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<ClusterClient>();
 };
+
+thread_local! {
+    /// Each thread's copy of each client's `(map, trust window)`: taken
+    /// again only when the follower's sequence number moves, so threads
+    /// reading at once share no reference count on the hit path. Entries
+    /// of dropped clients go the next time the thread adds one.
+    static THREAD_SNAPS: RefCell<Vec<(u64, Weak<()>, Snapshot)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The most pages one attempt reads from one node (a gRPC `Read` or a
+/// run of one-sided batches); nodes take up to 1024 per call by default.
+const MAX_ATTEMPT_PAGES: usize = 256;
 
 impl ClusterClient {
     /// A client over `follower`'s map, with the cluster token. Waits (up to
@@ -387,8 +480,13 @@ impl ClusterClient {
         token: &str,
         cfg: ClientConfig,
     ) -> Result<Self, ClientError> {
+        static IDS: AtomicU64 = AtomicU64::new(1);
         let attach = AttachToken::new(token).map_err(ClientError::Token)?;
-        let rt = tokio::runtime::Builder::new_current_thread()
+        // One worker drives the connections' I/O; callers' threads run
+        // their own futures in `block_on`, several at once.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pagewire-client")
             .enable_all()
             .build()
             .map_err(ClientError::Runtime)?;
@@ -410,22 +508,40 @@ impl ClusterClient {
         };
         let page_size = snap.map.page_size as usize;
         let file_size = snap.map.file_size;
+        let pool = OwnerPool::new(
+            token,
+            page_size,
+            PoolConfig {
+                transport: cfg.transport,
+                reader: cfg.reader.clone(),
+                tcp: ConnectionConfig {
+                    op_timeout: cfg.rpc_timeout,
+                    connect_timeout: cfg.connect_timeout,
+                    ..ConnectionConfig::new(Vec::new())
+                },
+                fault_in_deadline: cfg.rpc_timeout,
+                tls: cfg.tls.clone(),
+                tcp_shared: cfg.tcp_shared,
+            },
+            rt.handle().clone(),
+        )
+        .map_err(ClientError::Token)?;
         Ok(Self {
             follower,
-            token: token.to_owned(),
             attach,
             rt,
+            pool,
             page_size,
             file_size,
             file_pages: file_size.div_ceil(page_size as u64),
-            snap,
             cfg,
-            owners: HashMap::new(),
-            channels: HashMap::new(),
-            seen_owners: HashSet::new(),
-            seen_channels: HashSet::new(),
-            retired: ReaderStats::default(),
-            stats: ClientStats::default(),
+            channels: Mutex::new(HashMap::new()),
+            seen_channels: Mutex::new(HashSet::new()),
+            channel_reconnects: AtomicU64::new(0),
+            slots: crate::slot::slots(),
+            flights: Flights::new(),
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            alive: Arc::new(()),
         })
     }
 
@@ -455,51 +571,127 @@ impl ClusterClient {
         &self.follower
     }
 
+    fn counters(&self) -> &Counters {
+        &self.slots[crate::slot::thread_slot()]
+    }
+
     /// Reads `page` into `out` (page_size bytes; the valid length, zero past it).
-    pub fn read_page(&mut self, page: u64, out: &mut [u8]) -> Result<ReadInfo, ClientError> {
-        if page >= self.file_pages {
-            return Err(ClientError::BeyondEnd {
-                page,
-                pages: self.file_pages,
-            });
-        }
+    pub fn read_page(&self, page: u64, out: &mut [u8]) -> Result<ReadInfo, ClientError> {
         if out.len() < self.page_size {
             return Err(ClientError::BufferSize {
                 need: self.page_size,
                 got: out.len(),
             });
         }
-        let out = &mut out[..self.page_size];
-        let len = self.page_len(page);
-        let path = self.cfg.path;
-        let ((via, owner), attempts) = self.retrying(page, |c, snap, left| match path {
-            ReadPath::OneSided => c.one_sided(snap, page, len, out, left),
-            ReadPath::Grpc => c.grpc_read(snap, page, len, out, left),
-        })?;
-        self.stats.reads += 1;
-        let transport = match via {
-            Via::Grpc => None,
-            _ => self.owners.get(&owner).map(|o| o.reader.transport()),
-        };
-        match via {
-            Via::OneSided => {
-                self.stats.one_sided += 1;
-                match transport {
-                    Some(Transport::Shm) => self.stats.one_sided_shm += 1,
-                    Some(Transport::Verbs) => self.stats.one_sided_verbs += 1,
-                    Some(Transport::Tcp) => self.stats.one_sided_tcp += 1,
-                    None => {}
-                }
-            }
-            Via::FaultIn => self.stats.fault_ins += 1,
-            Via::Grpc => self.stats.grpc_reads += 1,
+        let mut info = self.read_run(page, 1, &mut out[..self.page_size])?;
+        Ok(info.pages.pop().expect("one page"))
+    }
+
+    /// Reads pages `first..first + count` into `out` (at least `count *
+    /// page_size` bytes: each page's valid length, zeros to the page's
+    /// end), batched: the pages of one node go in one-sided batches of
+    /// [`crate::pool::RUN_CHUNK`] under one doorbell each, the misses among
+    /// them in one `FaultIn` per stretch, or in one gRPC `Read`. Pages of
+    /// different nodes are read node by node, each with its own retries.
+    /// Concurrent reads of the same run in this process share one read
+    /// (`ReadInfo::coalesced`), one that started after each of them did.
+    pub fn read_run(
+        &self,
+        first: u64,
+        count: usize,
+        out: &mut [u8],
+    ) -> Result<RunInfo, ClientError> {
+        let end = first.saturating_add(count as u64);
+        if end > self.file_pages || first >= self.file_pages && count > 0 {
+            return Err(ClientError::BeyondEnd {
+                page: end.max(first + 1) - 1,
+                pages: self.file_pages,
+            });
         }
-        Ok(ReadInfo {
-            via,
-            owner,
-            attempts,
-            transport,
-        })
+        let need = count.saturating_mul(self.page_size);
+        if out.len() < need {
+            return Err(ClientError::BufferSize {
+                need,
+                got: out.len(),
+            });
+        }
+        let out = &mut out[..need];
+        if count == 0 {
+            return Ok(RunInfo { pages: Vec::new() });
+        }
+        let deadline = Instant::now() + self.cfg.op_deadline;
+        let lead = match self.flights.begin((first, count), deadline) {
+            Role::Follow(a) => {
+                out.copy_from_slice(&a.bytes);
+                let c = self.counters();
+                bump(&c.reads, count as u64);
+                bump(&c.coalesced, count as u64);
+                let pages = a
+                    .infos
+                    .iter()
+                    .map(|i| ReadInfo {
+                        coalesced: true,
+                        ..*i
+                    })
+                    .collect();
+                return Ok(RunInfo { pages });
+            }
+            Role::Lead(l) => Some(l),
+            Role::Alone => None,
+        };
+        let r = self.read_span(first, count, out, deadline);
+        if let Some(l) = lead {
+            let answer = match &r {
+                Ok(info) if l.has_followers() => Some(Answer {
+                    bytes: out.to_vec(),
+                    infos: info.pages.clone(),
+                }),
+                _ => None,
+            };
+            l.finish(answer);
+        }
+        r
+    }
+
+    /// [`ClusterClient::read_run`] after its checks, not shared.
+    fn read_span(
+        &self,
+        first: u64,
+        count: usize,
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<RunInfo, ClientError> {
+        let ps = self.page_size;
+        let path = self.cfg.path;
+        let mut pages = Vec::with_capacity(count);
+        let mut done = 0usize;
+        while done < count {
+            let at = first + done as u64;
+            let rest = &mut out[done * ps..];
+            let want = count - done;
+            let ((n, infos), attempts) = self.retrying(at, deadline, |snap, left| match path {
+                ReadPath::OneSided => self.one_sided(snap, at, want, rest, left),
+                ReadPath::Grpc => self.grpc_read(snap, at, want, rest, left),
+            })?;
+            pages.extend(infos.into_iter().map(|i| ReadInfo { attempts, ..i }));
+            done += n;
+        }
+        let c = self.counters();
+        bump(&c.reads, count as u64);
+        for p in &pages {
+            match (p.via, p.transport) {
+                (Via::OneSided, Some(Transport::Shm)) => bump(&c.one_sided_shm, 1),
+                (Via::OneSided, Some(Transport::Verbs)) => bump(&c.one_sided_verbs, 1),
+                (Via::OneSided, Some(Transport::Tcp)) => bump(&c.one_sided_tcp, 1),
+                _ => {}
+            }
+            match p.via {
+                Via::OneSided => bump(&c.one_sided, 1),
+                Via::FaultIn => bump(&c.fault_ins, 1),
+                Via::Grpc => bump(&c.grpc_reads, 1),
+            }
+        }
+        Ok(RunInfo { pages })
     }
 
     /// Writes one page through the owner's gRPC `Write` (write-through:
@@ -509,7 +701,7 @@ impl ClusterClient {
     /// length. A write whose answer was lost (timeout, dead connection) is
     /// sent again, so it may be applied twice: the same bytes, a later
     /// frame generation.
-    pub fn write_page(&mut self, page: u64, data: &[u8]) -> Result<u64, ClientError> {
+    pub fn write_page(&self, page: u64, data: &[u8]) -> Result<u64, ClientError> {
         if page >= self.file_pages {
             return Err(ClientError::BeyondEnd {
                 page,
@@ -528,7 +720,8 @@ impl ClusterClient {
             });
         }
         let data = &data[..len];
-        let (generation, _) = self.retrying(page, |c, snap, left| {
+        let deadline = Instant::now() + self.cfg.op_deadline;
+        let (generation, _) = self.retrying(page, deadline, |snap, left| {
             let index = write_owner(&snap.map, page).ok_or_else(|| {
                 Step::Backoff(format!(
                     "no node owns page {page} at epoch {}",
@@ -537,7 +730,7 @@ impl ClusterClient {
             })?;
             let node = node_of(&snap.map, index, page)?;
             let epoch = snap.map.epoch;
-            let r = c.rpc(node, page, left, |mut n| async move {
+            let r = self.rpc(node, page, left, |mut n| async move {
                 n.write(WriteRequest {
                     page,
                     data: data.to_vec(),
@@ -548,68 +741,103 @@ impl ClusterClient {
             })?;
             Ok(r.frame_generation)
         })?;
-        self.stats.writes += 1;
+        bump(&self.counters().writes, 1);
         Ok(generation)
     }
 
-    /// This client's counters.
+    /// This client's counters, over every thread.
     pub fn stats(&self) -> ClientStats {
-        let mut reader = self.retired;
-        for o in self.owners.values() {
-            reader.add(&o.reader.stats());
+        let mut s = ClientStats::default();
+        for c in self.slots.iter() {
+            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            s.reads += get(&c.reads);
+            s.one_sided += get(&c.one_sided);
+            s.fault_ins += get(&c.fault_ins);
+            s.grpc_reads += get(&c.grpc_reads);
+            s.one_sided_shm += get(&c.one_sided_shm);
+            s.one_sided_verbs += get(&c.one_sided_verbs);
+            s.one_sided_tcp += get(&c.one_sided_tcp);
+            s.writes += get(&c.writes);
+            s.retries += get(&c.retries);
+            s.map_refreshes += get(&c.map_refreshes);
+            s.unavailable += get(&c.unavailable);
+            s.lease_waits += get(&c.lease_waits);
+            s.coalesced += get(&c.coalesced);
         }
-        ClientStats {
-            reader,
-            ..self.stats
-        }
+        s.reconnects =
+            self.pool.stats().reconnects + self.channel_reconnects.load(Ordering::Relaxed);
+        s.reader = self.pool.reader_stats();
+        s
     }
 
-    /// Takes the follower's newer `(map, trust window)`, if there is one.
-    fn sync_map(&mut self) {
-        if let Some(s) = self.follower.shared.snapshot_if_changed(self.snap.seq) {
-            self.snap = s;
-        }
+    /// Runs `f` on this thread's copy of the follower's `(map, trust
+    /// window)`, taken again first if the follower has a newer one.
+    fn with_snapshot<R>(&self, f: impl FnOnce(&Snapshot) -> R) -> R {
+        THREAD_SNAPS.with_borrow_mut(|v| {
+            let i = match v.iter().position(|(id, _, _)| *id == self.id) {
+                Some(i) => {
+                    if let Some(s) = self.follower.shared.snapshot_if_changed(v[i].2.seq) {
+                        v[i].2 = s;
+                    }
+                    i
+                }
+                None => {
+                    v.retain(|(_, alive, _)| alive.strong_count() > 0);
+                    v.push((
+                        self.id,
+                        Arc::downgrade(&self.alive),
+                        self.follower.shared.snapshot(),
+                    ));
+                    v.len() - 1
+                }
+            };
+            f(&v[i].2)
+        })
     }
 
-    /// Runs `attempt` until it succeeds, fails for good, or `op_deadline`
+    /// Runs `attempt` until it succeeds, fails for good, or `deadline`
     /// passes (the module doc's table). Returns its value and the attempts.
     fn retrying<T>(
-        &mut self,
+        &self,
         page: u64,
-        mut attempt: impl FnMut(&mut Self, &Snapshot, Duration) -> Result<T, Step>,
+        deadline: Instant,
+        mut attempt: impl FnMut(&Snapshot, Duration) -> Result<T, Step>,
     ) -> Result<(T, u32), ClientError> {
         let start = Instant::now();
-        let deadline = start + self.cfg.op_deadline;
+        let c = self.counters();
         let mut attempts = 0u32;
         let mut backoff = self.cfg.backoff_min;
-        let mut epoch = self.snap.map.epoch;
+        let mut epoch = None;
         loop {
             attempts += 1;
             if attempts > 1 {
-                self.stats.retries += 1;
+                bump(&c.retries, 1);
             }
-            self.sync_map();
-            let now = Instant::now();
-            let snap = self.snap.clone();
-            let step = if snap.trusted(crate::clock::now()) {
-                match attempt(self, &snap, deadline.saturating_duration_since(now)) {
-                    Ok(v) => return Ok((v, attempts)),
-                    Err(s) => s,
-                }
-            } else {
-                Step::LeaseExpired(format!(
-                    "the map (epoch {}) is past its trust window{}",
-                    snap.map.epoch,
-                    self.follower
-                        .last_error()
-                        .map(|e| format!(" and the coordinator does not answer ({e})"))
-                        .unwrap_or_default()
-                ))
+            let (step, snap_epoch, was_trusted) = self.with_snapshot(|snap| {
+                let now = Instant::now();
+                let trusted = snap.trusted(crate::clock::now());
+                let step = if trusted {
+                    attempt(snap, deadline.saturating_duration_since(now))
+                } else {
+                    Err(Step::LeaseExpired(format!(
+                        "the map (epoch {}) is past its trust window{}",
+                        snap.map.epoch,
+                        self.follower
+                            .last_error()
+                            .map(|e| format!(" and the coordinator does not answer ({e})"))
+                            .unwrap_or_default()
+                    )))
+                };
+                (step, snap.map.epoch, snap.trust_until)
+            });
+            let step = match step {
+                Ok(v) => return Ok((v, attempts)),
+                Err(s) => s,
             };
             let (why, refresh) = match step {
                 Step::Fatal(e) => return Err(e),
                 Step::LeaseExpired(why) => {
-                    self.stats.lease_waits += 1;
+                    bump(&c.lease_waits, 1);
                     (why, true)
                 }
                 Step::Refresh(why) => (why, true),
@@ -617,26 +845,26 @@ impl ClusterClient {
             };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                self.stats.unavailable += 1;
+                bump(&c.unavailable, 1);
                 return Err(ClientError::Unavailable {
                     page,
                     waited: start.elapsed(),
                     last: why,
                 });
             }
-            self.stats.map_refreshes += 1;
-            if snap.map.epoch != epoch {
+            bump(&c.map_refreshes, 1);
+            if epoch != Some(snap_epoch) {
                 // A new map: its owners get a fresh series of backoffs.
-                epoch = snap.map.epoch;
+                epoch = Some(snap_epoch);
                 backoff = self.cfg.backoff_min;
             }
             let pause = if refresh {
                 // A poll that started after this point; no sleep when it
                 // brought a trusted, newer map.
                 let trusted = self.follower.refresh(left);
-                self.sync_map();
-                let moved = self.snap.map.epoch != snap.map.epoch;
-                if trusted && (moved || !snap.trusted(crate::clock::now())) {
+                let now_epoch = self.follower.shared.snapshot().map.epoch;
+                let still = was_trusted.is_some_and(|t| crate::clock::now() < t);
+                if trusted && (now_epoch != snap_epoch || !still) {
                     Duration::ZERO
                 } else {
                     backoff
@@ -647,173 +875,166 @@ impl ClusterClient {
             };
             if !pause.is_zero() {
                 let pause = pause.min(deadline.saturating_duration_since(Instant::now()));
-                self.follower
-                    .shared
-                    .wait_epoch_change(self.snap.map.epoch, pause);
+                self.follower.shared.wait_epoch_change(snap_epoch, pause);
                 backoff = (backoff * 2).min(self.cfg.backoff_max);
             }
         }
     }
 
-    /// One one-sided attempt: READs of the answering node's region, its
-    /// `FaultIn` when its index does not show the page.
+    /// One one-sided attempt: READs of the answering node's region for the
+    /// pages from `first` (up to `want`) that node answers, its `FaultIn`
+    /// for those its index does not show. Returns how many pages it read.
     fn one_sided(
-        &mut self,
+        &self,
         snap: &Snapshot,
-        page: u64,
-        len: usize,
+        first: u64,
+        want: usize,
         out: &mut [u8],
         left: Duration,
-    ) -> Result<(Via, u32), Step> {
-        let (index, node) = reader_of(&snap.map, page)?;
+    ) -> Result<(usize, Vec<ReadInfo>), Step> {
+        let (index, node) = reader_of(&snap.map, first)?;
+        let n = same_reader(&snap.map, first, want, index);
         let Some(trust) = snap.trust_until else {
             return Err(Step::LeaseExpired("the map has no trust window".into()));
         };
-        if self
-            .owners
-            .get(&index)
-            .is_some_and(|o| Some(o.epoch) != owner::region_epoch(node))
+        let opts = RunOptions {
+            trust_until: Some(trust),
+            map_epoch: snap.map.epoch,
+            deadline: Some(Instant::now() + left),
+        };
+        let ps = self.page_size;
+        match self
+            .pool
+            .read_into(node, first, n, &mut out[..n * ps], &opts)
         {
-            // The node restarted: the map names a new region epoch.
-            self.retire(index);
-        }
-        if !self.owners.contains_key(&index) {
-            let how = ConnectHow {
-                token: &self.token,
-                transport: self.cfg.transport,
-                reader: self.cfg.reader.clone(),
-                tcp: ConnectionConfig {
-                    op_timeout: self.cfg.rpc_timeout,
-                    connect_timeout: self.cfg.connect_timeout,
-                    ..ConnectionConfig::new(Vec::new())
+            Ok(pages) => Ok((
+                n,
+                pages
+                    .iter()
+                    .map(|p| ReadInfo {
+                        via: if p.fault_in {
+                            Via::FaultIn
+                        } else {
+                            Via::OneSided
+                        },
+                        owner: index,
+                        attempts: 1,
+                        transport: Some(p.transport),
+                        generation: p.generation,
+                        coalesced: false,
+                    })
+                    .collect(),
+            )),
+            Err(e) => Err(match e {
+                PoolError::LeaseExpired { .. } => Step::LeaseExpired(e.to_string()),
+                PoolError::FaultIn {
+                    refused: Some(code),
+                    ref node,
+                    page,
+                    ref reason,
+                } => match code {
+                    tonic::Code::FailedPrecondition => Step::Refresh(e.to_string()),
+                    tonic::Code::Unavailable
+                    | tonic::Code::ResourceExhausted
+                    | tonic::Code::Aborted => Step::Backoff(e.to_string()),
+                    code => Step::Fatal(ClientError::Rejected {
+                        node: node.clone(),
+                        page,
+                        code,
+                        message: reason.clone(),
+                    }),
                 },
-            };
-            let conn = owner::connect(node, &how).map_err(|why| {
-                Step::Backoff(format!(
-                    "cannot read node {} (index {index}) one-sidedly: {why}",
-                    node.node_id
-                ))
-            })?;
-            if !self.seen_owners.insert(index) {
-                self.stats.reconnects += 1;
-            }
-            self.owners.insert(index, conn);
-        }
-        let o = self.owners.get_mut(&index).expect("inserted above");
-        o.reader.trust_until(trust);
-        match o.reader.read_page(page, out) {
-            Ok(Outcome::Hit { .. }) => Ok((Via::OneSided, index)),
-            Ok(Outcome::Absent | Outcome::GaveUp) => {
-                let epoch = snap.map.epoch;
-                let f = self.rpc(node, page, left, |mut n| async move {
-                    owner::fault_in(&mut n, page, epoch).await
-                })?;
-                if f.data.len() != len {
-                    return Err(Step::Backoff(format!(
-                        "node {}'s FaultIn returned {} bytes of page {page}, not {len}",
-                        node.node_id,
-                        f.data.len()
-                    )));
-                }
-                out[..len].copy_from_slice(&f.data);
-                out[len..].fill(0);
-                if let (Some(o), Some((frame, generation))) =
-                    (self.owners.get_mut(&index), f.location)
-                {
-                    o.reader.learn(page, frame, generation);
-                }
-                Ok((Via::FaultIn, index))
-            }
-            Err(RemoteError::LeaseExpired(late)) => Err(Step::LeaseExpired(format!(
-                "a one-sided read of page {page} from node {} ended {late:?} past the map's trust window",
-                node.node_id
-            ))),
-            Err(e) => {
-                // A stale descriptor (restarted node), a lost or timed out
-                // connection: drop it; the next attempt reconnects.
-                self.retire(index);
-                Err(Step::Backoff(format!(
-                    "one-sided read of page {page} from node {}: {}",
-                    node.node_id,
-                    owner::chain(&e)
-                )))
-            }
+                e => Step::Backoff(e.to_string()),
+            }),
         }
     }
 
-    /// One attempt over the answering node's `Read` RPC.
+    /// One attempt over the answering node's `Read` RPC, for the pages from
+    /// `first` (up to `want`) that node answers.
     fn grpc_read(
-        &mut self,
+        &self,
         snap: &Snapshot,
-        page: u64,
-        len: usize,
+        first: u64,
+        want: usize,
         out: &mut [u8],
         left: Duration,
-    ) -> Result<(Via, u32), Step> {
-        let (index, node) = reader_of(&snap.map, page)?;
+    ) -> Result<(usize, Vec<ReadInfo>), Step> {
+        let (index, node) = reader_of(&snap.map, first)?;
+        let n = same_reader(&snap.map, first, want, index);
         let epoch = snap.map.epoch;
-        let r = self.rpc(node, page, left, |mut n| async move {
-            n.read(ReadRequest {
+        let r = self.rpc(node, first, left, |mut c| async move {
+            c.read(ReadRequest {
                 run: Some(PageRun {
-                    first_page: page,
-                    page_count: 1,
+                    first_page: first,
+                    page_count: n as u64,
                 }),
                 map_epoch: epoch,
             })
             .await
             .map(tonic::Response::into_inner)
         })?;
-        if r.data.len() != len {
+        let want_len: usize = (first..first + n as u64).map(|p| self.page_len(p)).sum();
+        if r.data.len() != want_len || r.frame_generations.len() != n {
             return Err(Step::Backoff(format!(
-                "node {}'s Read returned {} bytes of page {page}, not {len}",
+                "node {}'s Read returned {} bytes and {} generations for pages {first}..+{n}, not {want_len} and {n}",
                 node.node_id,
-                r.data.len()
+                r.data.len(),
+                r.frame_generations.len()
             )));
         }
-        out[..len].copy_from_slice(&r.data);
-        out[len..].fill(0);
-        Ok((Via::Grpc, index))
-    }
-
-    /// Drops the one-sided connection to `index`, keeping its counters.
-    fn retire(&mut self, index: u32) {
-        if let Some(o) = self.owners.remove(&index) {
-            self.retired.add(&o.reader.stats());
+        let ps = self.page_size;
+        let mut off = 0;
+        let mut infos = Vec::with_capacity(n);
+        for (k, &generation) in r.frame_generations.iter().enumerate() {
+            let len = self.page_len(first + k as u64);
+            let dst = &mut out[k * ps..(k + 1) * ps];
+            dst[..len].copy_from_slice(&r.data[off..off + len]);
+            dst[len..].fill(0);
+            off += len;
+            infos.push(ReadInfo {
+                via: Via::Grpc,
+                owner: index,
+                attempts: 1,
+                transport: None,
+                generation,
+                coalesced: false,
+            });
         }
+        Ok((n, infos))
     }
 
     /// One RPC to `node`, within `rpc_timeout` (and `left`); classifies a
     /// failure as the module doc's table says.
-    fn rpc<T, F, Fut>(
-        &mut self,
-        node: &MapNode,
-        page: u64,
-        left: Duration,
-        call: F,
-    ) -> Result<T, Step>
+    fn rpc<T, F, Fut>(&self, node: &MapNode, page: u64, left: Duration, call: F) -> Result<T, Step>
     where
         F: FnOnce(NodeRpc) -> Fut,
         Fut: Future<Output = Result<T, tonic::Status>>,
     {
         let limit = self.cfg.rpc_timeout.min(left).max(Duration::from_millis(1));
         let addr = &node.grpc_address;
-        let client = match self.channels.get(addr) {
-            Some(c) => c.clone(),
+        let cached = lock(&self.channels).get(addr).cloned();
+        let client = match cached {
+            Some(c) => c,
             None => {
                 let connect = self.cfg.connect_timeout.min(limit);
                 let c = self
                     .rt
-                    .block_on(owner::node_client(addr, &self.attach, connect))
+                    .block_on(owner::node_client(
+                        addr,
+                        &self.attach,
+                        self.cfg.tls.as_ref(),
+                        connect,
+                    ))
                     .map_err(|why| {
                         Step::Backoff(format!(
                             "cannot connect to node {} at {addr}: {why}",
                             node.node_id
                         ))
                     })?;
-                if !self.seen_channels.insert(addr.clone()) {
-                    self.stats.reconnects += 1;
+                if !lock(&self.seen_channels).insert(addr.clone()) {
+                    self.channel_reconnects.fetch_add(1, Ordering::Relaxed);
                 }
-                self.channels.insert(addr.clone(), c.clone());
+                lock(&self.channels).insert(addr.clone(), c.clone());
                 c
             }
         };
@@ -843,7 +1064,7 @@ impl ClusterClient {
                     | Code::Cancelled
                     | Code::Unknown
                     | Code::Internal => {
-                        self.channels.remove(addr);
+                        lock(&self.channels).remove(addr);
                         Err(Step::Backoff(why))
                     }
                     code => Err(Step::Fatal(ClientError::Rejected {
@@ -855,7 +1076,7 @@ impl ClusterClient {
                 }
             }
             Err(_) => {
-                self.channels.remove(addr);
+                lock(&self.channels).remove(addr);
                 Err(Step::Backoff(format!(
                     "node {} did not answer within {limit:?}",
                     node.node_id
@@ -863,6 +1084,33 @@ impl ClusterClient {
             }
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How many pages from `first` (at most `want`, at most
+/// [`MAX_ATTEMPT_PAGES`]) node `index` answers reads of under `map`.
+fn same_reader(map: &OwnershipMap, first: u64, want: usize, index: u32) -> usize {
+    let want = want.min(MAX_ATTEMPT_PAGES);
+    let Some(e0) = extent_of(map, first) else {
+        return 1;
+    };
+    let pages_per_extent = (map.extent_size / u64::from(map.page_size).max(1)).max(1);
+    // Pages left in `first`'s extent, then whole extents while the reader
+    // stays the same.
+    let mut n = (pages_per_extent - first % pages_per_extent) as usize;
+    let mut e = e0 + 1;
+    while n < want {
+        let page = e as u64 * pages_per_extent;
+        if read_owner(map, page) != Some(index) {
+            break;
+        }
+        n += pages_per_extent as usize;
+        e += 1;
+    }
+    n.min(want)
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 //!
 //! * [`MapFollower`]: one per process; polls the coordinator for the
 //!   ownership map and says until when it may be trusted.
-//! * [`ClusterClient`]: routes each page to the node that answers it, reads
+//! * [`ClusterClient`]: one per process, shared by its threads; routes each
+//!   page (or run of pages) to the node that answers it, reads
 //!   it one-sidedly ([`remote`]) or with the owner's gRPC `Read`, writes
 //!   through the owner's `Write`, and retries through failover until a
 //!   deadline ([`cluster`] has the freshness argument and the fallback
@@ -37,7 +38,8 @@
 //!     // One follower per process: it polls the coordinator in a thread.
 //!     let follower = MapFollower::start(&coordinators, &token)?;
 //!     // Waits (up to ClientConfig::op_deadline) for a node to register.
-//!     let mut client = ClusterClient::new(follower, &token, ClientConfig::default())?;
+//!     // One per process: share it (`Arc`) with every thread.
+//!     let client = ClusterClient::new(follower, &token, ClientConfig::default())?;
 //!
 //!     let mut page = vec![0u8; client.page_size()];
 //!     let info = client.read_page(7, &mut page)?;
@@ -60,6 +62,11 @@
 //!     let mut again = vec![0u8; client.page_size()];
 //!     client.read_page(7, &mut again)?;
 //!     assert_eq!(again[..len], page[..len]);
+//!
+//!     // Pages 0..16 in one batched read (one doorbell per node's part).
+//!     let mut run = vec![0u8; 16 * client.page_size()];
+//!     let info = client.read_run(0, 16, &mut run)?;
+//!     println!("page 0 at frame generation {}", info.pages[0].generation);
 //!     println!("{:?}", client.stats());
 //!     Ok(())
 //! }
@@ -85,15 +92,20 @@
 //! | [`ClientError::WriteLength`] | a write that is neither the page's valid length nor a whole page | write whole pages |
 //! | [`ClientError::Rejected`] | a node refused the request for good (a bad argument, a wrong token) | not retried: fix the request |
 //!
-//! [`OwnerPool::read_run`] returns [`PoolError`], every case of which the
-//! caller retries (the pool trusts no map: it reads the owner it is told).
+//! [`OwnerPool::read_into`] and [`OwnerPool::read_run`] return
+//! [`PoolError`]: `Connect`, `Read`, `LeaseExpired` and `FaultIn` are
+//! failover conditions the caller retries (the pool trusts no map: it reads
+//! the owner it is told); `BufferSize` is a caller's bug, and a `FaultIn`
+//! whose `refused` code is not a failover one (not `Unavailable`,
+//! `ResourceExhausted`, `Aborted`, `FailedPrecondition`) is final.
 //!
 //! # Threads and runtimes
 //!
-//! Today a [`ClusterClient`] is `Send` and reads with `&mut self`: one per
-//! thread, all over one [`MapFollower`]. Its calls block (each client has
-//! its own current-thread tokio runtime), so none may be made from inside
-//! an async runtime.
+//! A [`ClusterClient`] is `Send + Sync` and every call takes `&self`: make
+//! one per process and share it (`Arc`). Its calls block (on its own tokio
+//! runtime, one worker), so none may be made from inside an async runtime:
+//! call them from `spawn_blocking` there. [`cluster`] says what threads
+//! share and what each keeps to itself.
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
@@ -101,10 +113,16 @@ pub mod clock;
 pub mod cluster;
 pub mod pool;
 pub mod remote;
+mod slot;
 
 pub use cluster::{
     ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadInfo,
-    ReadPath, Transport, TransportChoice, Via, read_owner, trust_window, write_owner,
+    ReadPath, RunInfo, Transport, TransportChoice, Via, read_owner, trust_window, write_owner,
 };
-pub use pool::{OwnerPool, PoolConfig, PoolError, PoolStats};
+pub use pool::{OwnerPool, PageRead, PoolConfig, PoolError, PoolStats, RunOptions};
 pub use remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
+
+/// The README's program, compiled as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

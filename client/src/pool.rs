@@ -1,38 +1,62 @@
 //! A pool of one-sided connections to owners, with the `FaultIn` fallback:
 //! "read pages of an extent another node owns" in one place, used by the
-//! node daemon for reads it does not serve (`daemon::remote_source`).
+//! node daemon for reads it does not serve (`daemon::remote_source`) and by
+//! [`crate::ClusterClient`] for every one-sided read.
 //!
-//! A read ([`OwnerPool::read_run`]) takes an idle connection to the owner
-//! out of the pool (or connects a new one, with no lock held), reads each
-//! page one-sidedly ([`crate::remote`]: over `shm` when the owner's shm file
-//! is on this host, else `verbs` where built and usable, else `tcp`), and
-//! puts the connection back. A page the owner's index does not show (or
-//! that keeps moving) is faulted in on the owner with gRPC `FaultIn`, whose
-//! reply carries the bytes and the frame's location, so the next read of it
+//! A read ([`OwnerPool::read_into`]) takes an idle reader of the owner out
+//! of the pool (or opens a new one, with no lock held), reads the run
+//! one-sidedly ([`crate::remote`]: over `shm` when the owner's shm file is
+//! on this host, else `verbs` where built and usable, else `tcp`), batched
+//! under one doorbell per round ([`crate::remote::RemoteReader::read_run`],
+//! [`RUN_CHUNK`] pages at a time), and puts the reader back. Pages the
+//! owner's index does not show (or that keep moving) are faulted in on the
+//! owner with one gRPC `FaultIn` per contiguous stretch of them; its reply
+//! carries the bytes and the frames' locations, so the next read of them
 //! is one round trip again. Nothing is cached here.
 //!
-//! No lock is held across network I/O: reads of one owner from several
-//! threads each get their own connection, and a connection to a frozen
-//! owner holds up only the read using it. A `FaultIn` has a deadline
-//! ([`PoolConfig::fault_in_deadline`], connecting included). A connection
-//! remembers the region epoch of the descriptor it was opened with; idle
-//! connections to an earlier incarnation of the owner (the map names
-//! another epoch) are closed when the owner is next read.
+//! **Connections.** `verbs` readers are handles on the process's one queue
+//! pair to each owner (`rdma::SharedConnection`), however many threads
+//! read. `tcp` readers each have their own connection (one per thread that
+//! reads the owner at once), or, with [`PoolConfig::tcp_shared`], are
+//! handles on one per (process, owner) (see there for why that is not the
+//! default yet). `shm` readers each map the owner's file: a mapping holds
+//! nothing on the owner.
+//! gRPC channels (for `FaultIn`) are one per owner address, multiplexed,
+//! kept until a call on them fails at the transport.
+//!
+//! **Threads.** Idle readers and counters sit in per-thread slots
+//! (`crate::slot`), so threads reading at once touch no common cache line
+//! on the hit path; no lock is held across network I/O, and a reader of a
+//! frozen owner holds up only the read using it. A `FaultIn` has a deadline
+//! ([`PoolConfig::fault_in_deadline`], connecting included, clamped to the
+//! caller's). A reader remembers the region epoch of the descriptor it was
+//! opened with; idle readers of an earlier incarnation of the owner (the map
+//! names another epoch) are closed when the owner is next read.
 //!
 //! Freshness is the caller's: the pool reads the owner the caller names and
-//! trusts nobody's map. The node daemon checks its own lease before and
-//! after a read (ARCHITECTURE.md, "Ownership, leases and writes").
+//! trusts nobody's map. The caller bounds it with
+//! [`RunOptions::trust_until`] (the client's trust window), or checks its
+//! own lease before and after (the node daemon; ARCHITECTURE.md,
+//! "Ownership, leases and writes").
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::cluster::owner::{self, ConnectHow, Faulted, OwnerConn, TransportChoice};
-use crate::remote::{Outcome, ReaderConfig, ReaderStats};
+use crate::cluster::Transport;
+use crate::cluster::owner::{self, ConnectHow, Faulted, NodeRpc, OwnerConn, TransportChoice};
+use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError};
+use crate::slot::{self, Padded};
 use pagewire_proto::auth::{AttachToken, TokenError};
+use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::MapNode;
 use pagewire_rdma::tcp::ConnectionConfig;
+
+/// Pages read one-sidedly per batch: a warm batch is `2 * RUN_CHUNK` READs
+/// (header and frame each) under one doorbell, within every transport's
+/// queue (verbs: 32 outstanding per queue pair).
+pub const RUN_CHUNK: usize = 16;
 
 /// Settings of an [`OwnerPool`].
 #[derive(Clone, Debug)]
@@ -49,6 +73,18 @@ pub struct PoolConfig {
     /// (default 2 s): past it the read fails as the owner unavailable,
     /// instead of waiting on a frozen owner for as long as TCP does.
     pub fault_in_deadline: Duration,
+    /// TLS for the gRPC channels to owners (`FaultIn`): the CA that signs
+    /// the nodes' certificates and the name they carry. None: plain text.
+    pub tls: Option<ClientTls>,
+    /// One `tcp` connection per owner for the whole process, every reader a
+    /// handle on it (default `false`: each reader its own connection).
+    /// Fewer sockets on the owner, but today slower under concurrency: the
+    /// owner's tcp responder serves a connection from one thread, whose
+    /// spin window stays shut for a single connection, so each READ pays
+    /// a blocking wake-up on both ends (measured: 2 threads 22.6 k pages/s
+    /// shared against 96 k on their own connections; see the client
+    /// crate's README).
+    pub tcp_shared: bool,
 }
 
 impl Default for PoolConfig {
@@ -59,6 +95,8 @@ impl Default for PoolConfig {
             reader: ReaderConfig::default(),
             tcp: ConnectionConfig::new(Vec::new()),
             fault_in_deadline: Duration::from_secs(2),
+            tls: None,
+            tcp_shared: false,
         }
     }
 }
@@ -72,13 +110,50 @@ pub struct PoolStats {
     pub one_sided: u64,
     /// Of those, faulted in on the owner over gRPC.
     pub fallbacks: u64,
-    /// One-sided connections opened to owners.
+    /// One-sided readers opened (a `tcp` or `verbs` reader is a handle on
+    /// the process's one connection to the owner).
     pub connects: u64,
+    /// Of `connects`, readers opened to an owner after one to it was closed
+    /// (a failure, or a new region epoch).
+    pub reconnects: u64,
 }
 
-/// Why [`OwnerPool::read_run`] returned no bytes. Every case is one the
-/// caller retries (with a fresh map, or after a backoff): the owner is
-/// unreachable, frozen, restarted or busy.
+/// What a caller's read needs besides the run.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunOptions {
+    /// The caller's trust in the map that named the owner ends then: a
+    /// one-sided read that starts or ends later fails with
+    /// [`PoolError::LeaseExpired`] and returns no bytes. None: the caller
+    /// bounds its trust itself (the node daemon checks its lease).
+    pub trust_until: Option<Instant>,
+    /// The caller's map epoch, sent with `FaultIn` (0: none; the owner then
+    /// does not check that the caller's map is at least its own).
+    pub map_epoch: u64,
+    /// A `FaultIn` gives up then at the latest (besides
+    /// [`PoolConfig::fault_in_deadline`]).
+    pub deadline: Option<Instant>,
+}
+
+/// How one page of a run was read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageRead {
+    /// `false`: one-sided READs; `true`: the owner's `FaultIn`, after a
+    /// one-sided miss.
+    pub fault_in: bool,
+    /// The transport of the reader (for a `FaultIn`, whose miss sent the
+    /// read to the owner).
+    pub transport: Transport,
+    /// The frame generation of the copy read (0: the owner served the page
+    /// without caching it).
+    pub generation: u64,
+    /// The page's valid length (the page size but for the file's last page).
+    pub len: usize,
+}
+
+/// Why [`OwnerPool::read_into`] returned no bytes. Every case but
+/// `BufferSize` and a `FaultIn` the owner refused for good (`refused` is
+/// not a failover code) is one the caller retries (with a fresh map, or
+/// after a backoff): the owner is unreachable, frozen, restarted or busy.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PoolError {
@@ -87,28 +162,47 @@ pub enum PoolError {
     #[error("cannot connect to node {node}: {reason}")]
     Connect { node: String, reason: String },
     /// The one-sided read of `page` failed (a stale descriptor, a lost
-    /// connection, a timeout); the connection was closed.
+    /// connection, a timeout); the reader was closed.
     #[error("one-sided read of page {page} from node {node}: {reason}")]
     Read {
         node: String,
         page: u64,
         reason: String,
     },
+    /// A one-sided read started or ended past [`RunOptions::trust_until`]:
+    /// its bytes were not returned (confirm the map, then retry).
+    #[error(
+        "a one-sided read of page {page} from node {node} ended {late:?} past the map's trust window"
+    )]
+    LeaseExpired {
+        node: String,
+        page: u64,
+        late: Duration,
+    },
     /// `FaultIn` of `page` on the owner failed or ran past its deadline.
+    /// `refused`: the gRPC code the owner answered with (None: the call
+    /// failed at the transport, timed out, or the reply was malformed).
     #[error("FaultIn of page {page} on node {node}: {reason}")]
     FaultIn {
         node: String,
         page: u64,
+        refused: Option<tonic::Code>,
         reason: String,
     },
+    /// The caller's buffer does not hold the run.
+    #[error("buffer of {got} bytes for a run of {need}")]
+    BufferSize { need: usize, got: usize },
 }
 
 impl PoolError {
-    /// The page the failure is about (the run's first for `Connect`).
+    /// The page the failure is about (the run's first for `Connect` and
+    /// `BufferSize`).
     pub fn page(&self, first: u64) -> u64 {
         match self {
-            Self::Connect { .. } => first,
-            Self::Read { page, .. } | Self::FaultIn { page, .. } => *page,
+            Self::Connect { .. } | Self::BufferSize { .. } => first,
+            Self::Read { page, .. }
+            | Self::LeaseExpired { page, .. }
+            | Self::FaultIn { page, .. } => *page,
         }
     }
 }
@@ -119,6 +213,14 @@ struct Counters {
     one_sided: AtomicU64,
     fallbacks: AtomicU64,
     connects: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+/// One thread slot: idle readers by owner index, and counters.
+#[derive(Default)]
+struct Slot {
+    idle: Mutex<HashMap<u32, Vec<OwnerConn>>>,
+    counters: Counters,
 }
 
 /// One-sided connections to owners, shared by every thread of a process.
@@ -129,21 +231,27 @@ pub struct OwnerPool {
     page_size: usize,
     /// Runs the `FaultIn` calls.
     rt: tokio::runtime::Handle,
-    /// Idle connections, by owner index.
-    idle: Mutex<HashMap<u32, Vec<OwnerConn>>>,
-    counters: Counters,
+    slots: Box<[Padded<Slot>]>,
+    /// gRPC channels by owner address (`FaultIn`).
+    channels: Mutex<HashMap<String, NodeRpc>>,
+    /// Owners a reader was ever opened to (for `reconnects`).
+    seen: Mutex<HashSet<u32>>,
     /// Reader counters of connections since closed, so totals only grow.
     retired: Mutex<ReaderStats>,
-    /// The largest total [`OwnerPool::reader_stats`] computed (connections
-    /// in use are not in the pool, so a new sum can come out lower).
+    /// The largest total [`OwnerPool::reader_stats`] computed (readers in
+    /// use are not in the pool, so a new sum can come out lower).
     last_total: Mutex<ReaderStats>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl OwnerPool {
     /// A pool reading pages of `page_size` bytes with the cluster `token`.
     /// `FaultIn` calls run on `rt`, which must be a multi-thread runtime
-    /// (or be driven by another thread): [`OwnerPool::read_run`] blocks on
-    /// it, so it may not be called from one of `rt`'s async tasks (use
+    /// (or be driven by another thread): the pool's reads block on it, so
+    /// they may not be called from one of `rt`'s async tasks (use
     /// `spawn_blocking`).
     pub fn new(
         token: &str,
@@ -157,8 +265,9 @@ impl OwnerPool {
             cfg,
             page_size,
             rt,
-            idle: Mutex::new(HashMap::new()),
-            counters: Counters::default(),
+            slots: slot::slots(),
+            channels: Mutex::new(HashMap::new()),
+            seen: Mutex::new(HashSet::new()),
             retired: Mutex::new(ReaderStats::default()),
             last_total: Mutex::new(ReaderStats::default()),
         })
@@ -166,29 +275,28 @@ impl OwnerPool {
 
     /// The pool's counters.
     pub fn stats(&self) -> PoolStats {
-        let c = &self.counters;
-        PoolStats {
-            pages: c.pages.load(Ordering::Relaxed),
-            one_sided: c.one_sided.load(Ordering::Relaxed),
-            fallbacks: c.fallbacks.load(Ordering::Relaxed),
-            connects: c.connects.load(Ordering::Relaxed),
+        let mut s = PoolStats::default();
+        for slot in self.slots.iter() {
+            let c = &slot.counters;
+            s.pages += c.pages.load(Ordering::Relaxed);
+            s.one_sided += c.one_sided.load(Ordering::Relaxed);
+            s.fallbacks += c.fallbacks.load(Ordering::Relaxed);
+            s.connects += c.connects.load(Ordering::Relaxed);
+            s.reconnects += c.reconnects.load(Ordering::Relaxed);
         }
+        s
     }
 
-    /// The one-sided readers' counters, over every connection so far
-    /// (connections in use count from when they are back in the pool).
+    /// The one-sided readers' counters, over every reader so far (readers
+    /// in use count from when they are back in the pool).
     pub fn reader_stats(&self) -> ReaderStats {
-        let mut total = *self.retired.lock().unwrap_or_else(|e| e.into_inner());
-        for o in self
-            .idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .flatten()
-        {
-            total.add(&o.reader.stats());
+        let mut total = *lock(&self.retired);
+        for slot in self.slots.iter() {
+            for o in lock(&slot.idle).values().flatten() {
+                total.add(&o.reader.stats());
+            }
         }
-        let mut last = self.last_total.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = lock(&self.last_total);
         last.max_each(&total);
         *last
     }
@@ -196,22 +304,60 @@ impl OwnerPool {
     /// Reads pages `first..first + count` of the file from `owner` (a node
     /// of the caller's map): their bytes, concatenated (each page's valid
     /// length), and each page's frame generation (0 for a page the owner
-    /// served without caching it).
+    /// served without caching it). The node daemon's entry point.
     pub fn read_run(
         &self,
         owner: &MapNode,
         first: u64,
         count: u64,
     ) -> Result<(Vec<u8>, Vec<u64>), PoolError> {
-        let mut o = self.take(owner)?;
-        match self.read_with(&mut o, owner, first, count) {
-            Ok(out) => {
-                self.put_back(owner.index, o);
-                Ok(out)
+        let n = usize::try_from(count).unwrap_or(usize::MAX);
+        let need = n.checked_mul(self.page_size).ok_or(PoolError::BufferSize {
+            need: usize::MAX,
+            got: 0,
+        })?;
+        let mut out = vec![0u8; need];
+        let pages = self.read_into(owner, first, n, &mut out, &RunOptions::default())?;
+        // Only the file's last page is short, so the valid lengths of the
+        // run are one prefix of it.
+        out.truncate(pages.iter().map(|p| p.len).sum());
+        Ok((out, pages.iter().map(|p| p.generation).collect()))
+    }
+
+    /// Reads pages `first..first + count` from `owner` into `out` (at least
+    /// `count * page_size` bytes: each page's valid length, zeros to the
+    /// page's end) and says how each page was read.
+    pub fn read_into(
+        &self,
+        owner: &MapNode,
+        first: u64,
+        count: usize,
+        out: &mut [u8],
+        opts: &RunOptions,
+    ) -> Result<Vec<PageRead>, PoolError> {
+        match count.checked_mul(self.page_size) {
+            Some(need) if out.len() >= need => {}
+            need => {
+                return Err(PoolError::BufferSize {
+                    need: need.unwrap_or(usize::MAX),
+                    got: out.len(),
+                });
+            }
+        }
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let slot = &self.slots[slot::thread_slot()];
+        let mut o = self.take(slot, owner)?;
+        let r = self.read_with(slot, &mut o, owner, first, count, out, opts);
+        match r {
+            Ok(pages) => {
+                self.put_back(slot, owner.index, o);
+                Ok(pages)
             }
             Err((keep, e)) => {
                 if keep {
-                    self.put_back(owner.index, o);
+                    self.put_back(slot, owner.index, o);
                 } else {
                     self.retire(o);
                 }
@@ -222,19 +368,17 @@ impl OwnerPool {
 
     /// Closes `conn`, keeping its counters.
     fn retire(&self, conn: OwnerConn) {
-        self.retired
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add(&conn.reader.stats());
+        lock(&self.retired).add(&conn.reader.stats());
     }
 
-    /// An idle connection to `owner` at the region epoch the map names, or
-    /// a new one (connected with no lock held). Idle connections to an older
-    /// region of the owner (it restarted) are closed.
-    fn take(&self, owner: &MapNode) -> Result<OwnerConn, PoolError> {
+    /// An idle reader of `owner` at the region epoch the map names (this
+    /// thread's slot first, then any other), or a new one (opened with no
+    /// lock held). Idle readers of an older region
+    /// of the owner (it restarted) are closed.
+    fn take(&self, slot: &Slot, owner: &MapNode) -> Result<OwnerConn, PoolError> {
         let want = owner::region_epoch(owner);
         let (conn, stale) = {
-            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            let mut idle = lock(&slot.idle);
             let list = idle.entry(owner.index).or_default();
             let stale: Vec<OwnerConn> = list.extract_if(.., |o| Some(o.epoch) != want).collect();
             (list.pop(), stale)
@@ -245,130 +389,235 @@ impl OwnerPool {
         if let Some(c) = conn {
             return Ok(c);
         }
+        // A thread new to the pool (a pool's threads come and go) takes a
+        // reader another slot left idle, warm index cache and all, before
+        // it opens one. Slots busy right now are skipped.
+        for other in self.slots.iter() {
+            let Ok(mut idle) = other.idle.try_lock() else {
+                continue;
+            };
+            if let Some(list) = idle.get_mut(&owner.index)
+                && let Some(i) = list.iter().position(|o| Some(o.epoch) == want)
+            {
+                return Ok(list.swap_remove(i));
+            }
+        }
         let how = ConnectHow {
             token: &self.token,
             transport: self.cfg.transport,
             reader: self.cfg.reader.clone(),
             tcp: self.cfg.tcp.clone(),
+            tcp_shared: self.cfg.tcp_shared,
         };
         let c = owner::connect(owner, &how).map_err(|reason| PoolError::Connect {
             node: owner.node_id.clone(),
             reason,
         })?;
-        self.counters.connects.fetch_add(1, Ordering::Relaxed);
+        slot.counters.connects.fetch_add(1, Ordering::Relaxed);
+        if !lock(&self.seen).insert(owner.index) {
+            slot.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(c)
     }
 
-    fn put_back(&self, index: u32, conn: OwnerConn) {
-        self.idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(index)
-            .or_default()
-            .push(conn);
+    fn put_back(&self, slot: &Slot, index: u32, conn: OwnerConn) {
+        lock(&slot.idle).entry(index).or_default().push(conn);
     }
 
-    /// Faults `page` in on its owner over gRPC and takes the bytes from the
-    /// reply, within the deadline. Returns the bytes and the frame's
-    /// location.
-    fn fault_in(&self, owner: &MapNode, page: u64) -> Result<Faulted, String> {
-        let deadline = self.cfg.fault_in_deadline;
-        let attach = self.attach.clone();
-        let addr = owner.grpc_address.clone();
-        self.rt.block_on(async move {
-            let call = async {
-                let mut client = owner::node_client(&addr, &attach, deadline).await?;
-                owner::fault_in(&mut client, page, 0)
-                    .await
-                    .map_err(|s| s.message().to_owned())
-            };
-            tokio::time::timeout(deadline, call).await.map_err(|_| {
-                format!(
-                    "the owner at {addr} did not answer FaultIn within {} ms",
-                    deadline.as_millis()
-                )
-            })?
-        })
-    }
-
-    /// Reads `first..first + count` over `o`. On failure, says whether `o`
-    /// still works (`true`: only the `FaultIn` failed) or must be closed.
-    fn read_with(
+    /// Faults `first..first + count` in on `owner` over gRPC and takes the
+    /// bytes from the reply, within the deadline. Returns the bytes and the
+    /// frames' locations, or the owner's refusal code (None: a transport
+    /// failure or timeout) and why.
+    fn fault_in(
         &self,
-        o: &mut OwnerConn,
         owner: &MapNode,
         first: u64,
         count: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>), (bool, PoolError)> {
-        let n = usize::try_from(count).unwrap_or(0);
-        let mut data = Vec::with_capacity(n.saturating_mul(self.page_size));
-        let mut gens = Vec::with_capacity(n);
-        let mut buf = vec![0u8; self.page_size];
-        let file_len = o.reader.file_len();
-        let fault_in_failed = |page, reason| {
-            (
-                true,
-                PoolError::FaultIn {
-                    node: owner.node_id.clone(),
-                    page,
-                    reason,
-                },
-            )
-        };
-        for page in first..first.saturating_add(count) {
-            let len = (file_len.saturating_sub(page.saturating_mul(self.page_size as u64))
-                as usize)
-                .min(self.page_size);
-            self.counters.pages.fetch_add(1, Ordering::Relaxed);
-            match o.reader.read_page(page, &mut buf) {
-                Ok(Outcome::Hit { generation, .. }) => {
-                    self.counters.one_sided.fetch_add(1, Ordering::Relaxed);
-                    data.extend_from_slice(&buf[..len]);
-                    gens.push(generation);
-                }
-                Ok(Outcome::Absent | Outcome::GaveUp) => {
-                    self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
-                    let Faulted {
-                        data: bytes,
-                        location,
-                    } = self
-                        .fault_in(owner, page)
-                        .map_err(|why| fault_in_failed(page, why))?;
-                    if bytes.len() != len {
-                        return Err(fault_in_failed(
-                            page,
-                            format!(
-                                "the owner's FaultIn returned {} bytes, not {len}",
-                                bytes.len()
-                            ),
-                        ));
+        opts: &RunOptions,
+    ) -> Result<Faulted, (Option<tonic::Code>, String)> {
+        let mut limit = self.cfg.fault_in_deadline;
+        if let Some(d) = opts.deadline {
+            limit = limit.min(d.saturating_duration_since(Instant::now()));
+        }
+        let limit = limit.max(Duration::from_millis(1));
+        let addr = owner.grpc_address.clone();
+        let cached = lock(&self.channels).get(&addr).cloned();
+        let map_epoch = opts.map_epoch;
+        let r = self.rt.block_on(async {
+            let call = async {
+                let mut client = match cached {
+                    Some(c) => c,
+                    None => {
+                        let c =
+                            owner::node_client(&addr, &self.attach, self.cfg.tls.as_ref(), limit)
+                                .await
+                                .map_err(|why| (None, why))?;
+                        lock(&self.channels).insert(addr.clone(), c.clone());
+                        c
                     }
+                };
+                owner::fault_in(&mut client, first, count, map_epoch)
+                    .await
+                    .map_err(|s| {
+                        // A status with a source is the transport's; one
+                        // without is the owner's answer (Internal and
+                        // Unknown: a malformed reply, treated as lost).
+                        let code = s.code();
+                        let answered = std::error::Error::source(&s).is_none()
+                            && !matches!(
+                                code,
+                                tonic::Code::Internal
+                                    | tonic::Code::Unknown
+                                    | tonic::Code::Cancelled
+                                    | tonic::Code::DeadlineExceeded
+                            );
+                        (
+                            answered.then_some(code),
+                            format!("{code:?}: {}", s.message()),
+                        )
+                    })
+            };
+            tokio::time::timeout(limit, call).await.map_err(|_| {
+                (
+                    None,
+                    format!(
+                        "the owner at {addr} did not answer FaultIn within {} ms",
+                        limit.as_millis()
+                    ),
+                )
+            })?
+        });
+        if let Err((None, _)) = &r {
+            // The channel may be broken: the next call connects again.
+            lock(&self.channels).remove(&owner.grpc_address);
+        }
+        r
+    }
+
+    /// Reads `first..first + count` over `o` into `out`. On failure, says
+    /// whether `o` still works (`true`: only a `FaultIn` failed, or the
+    /// trust window ran out) or must be closed.
+    #[allow(clippy::too_many_arguments)]
+    fn read_with(
+        &self,
+        slot: &Slot,
+        o: &mut OwnerConn,
+        owner: &MapNode,
+        first: u64,
+        count: usize,
+        out: &mut [u8],
+        opts: &RunOptions,
+    ) -> Result<Vec<PageRead>, (bool, PoolError)> {
+        let ps = self.page_size;
+        let file_len = o.reader.file_len();
+        let transport = o.reader.transport();
+        let valid =
+            |page: u64| (file_len.saturating_sub(page.saturating_mul(ps as u64)) as usize).min(ps);
+        o.reader.trust(opts.trust_until);
+        let mut pages = Vec::with_capacity(count);
+        let counters = &slot.counters;
+        counters.pages.fetch_add(count as u64, Ordering::Relaxed);
+        let mut done = 0usize;
+        while done < count {
+            let n = (count - done).min(RUN_CHUNK);
+            let at = first + done as u64;
+            let buf = &mut out[done * ps..(done + n) * ps];
+            let outcomes = if n == 1 {
+                o.reader.read_page(at, buf).map(|x| vec![x])
+            } else {
+                o.reader.read_run(at, n, buf)
+            };
+            let outcomes = outcomes.map_err(|e| match e {
+                RemoteError::LeaseExpired(late) => (
+                    true,
+                    PoolError::LeaseExpired {
+                        node: owner.node_id.clone(),
+                        page: at,
+                        late,
+                    },
+                ),
+                // Stale descriptor (owner restarted) or a lost connection:
+                // the reader goes; the caller retries with a fresh map.
+                e => (
+                    false,
+                    PoolError::Read {
+                        node: owner.node_id.clone(),
+                        page: at,
+                        reason: owner::chain(&e),
+                    },
+                ),
+            })?;
+            let mut i = 0;
+            while i < n {
+                if let Outcome::Hit { generation, .. } = outcomes[i] {
+                    counters.one_sided.fetch_add(1, Ordering::Relaxed);
+                    pages.push(PageRead {
+                        fault_in: false,
+                        transport,
+                        generation,
+                        len: valid(at + i as u64),
+                    });
+                    i += 1;
+                    continue;
+                }
+                // A stretch of misses: one FaultIn for all of it.
+                let j = (i..n)
+                    .find(|&k| matches!(outcomes[k], Outcome::Hit { .. }))
+                    .unwrap_or(n);
+                let (from, len) = (at + i as u64, (j - i) as u64);
+                counters.fallbacks.fetch_add(len, Ordering::Relaxed);
+                let fault_failed = |refused, reason| {
+                    (
+                        true,
+                        PoolError::FaultIn {
+                            node: owner.node_id.clone(),
+                            page: from,
+                            refused,
+                            reason,
+                        },
+                    )
+                };
+                let f = self
+                    .fault_in(owner, from, len, opts)
+                    .map_err(|(code, why)| fault_failed(code, why))?;
+                let want: usize = (from..from + len).map(valid).sum();
+                if f.data.len() != want {
+                    return Err(fault_failed(
+                        None,
+                        format!(
+                            "the owner's FaultIn returned {} bytes for {len} pages, not {want}",
+                            f.data.len()
+                        ),
+                    ));
+                }
+                let mut off = 0;
+                for (k, loc) in f.locations.iter().enumerate() {
+                    let page = from + k as u64;
+                    let v = valid(page);
+                    let dst = &mut buf[(i + k) * ps..(i + k + 1) * ps];
+                    dst[..v].copy_from_slice(&f.data[off..off + v]);
+                    dst[v..].fill(0);
+                    off += v;
                     // A page the owner did not cache has no location.
-                    let generation = match location {
+                    let generation = match *loc {
                         Some((frame, generation)) => {
                             o.reader.learn(page, frame, generation);
                             generation
                         }
                         None => 0,
                     };
-                    data.extend_from_slice(&bytes);
-                    gens.push(generation);
+                    pages.push(PageRead {
+                        fault_in: true,
+                        transport,
+                        generation,
+                        len: v,
+                    });
                 }
-                // Stale descriptor (owner restarted) or a lost connection:
-                // the connection goes; the caller retries with a fresh map.
-                Err(e) => {
-                    return Err((
-                        false,
-                        PoolError::Read {
-                            node: owner.node_id.clone(),
-                            page,
-                            reason: e.to_string(),
-                        },
-                    ));
-                }
+                i = j;
             }
+            done += n;
         }
-        Ok((data, gens))
+        Ok(pages)
     }
 }
 

@@ -264,6 +264,12 @@ impl<C: Connection> RemoteReader<C> {
         self.trust_until = Some(until);
     }
 
+    /// [`RemoteReader::trust_until`] with `Some`; `None`: no bound here
+    /// (the caller bounds its trust itself, as the node daemon does).
+    pub fn set_trust(&mut self, until: Option<std::time::Instant>) {
+        self.trust_until = until;
+    }
+
     fn check_lease(&self) -> Result<(), RemoteError> {
         match self.trust_until {
             Some(t) => {

@@ -421,6 +421,216 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
     );
 }
 
+/// Established TCP connections from this process to `port` on loopback
+/// (sockets among this process's descriptors, in `/proc/net/tcp`).
+fn tcp_conns_to(port: u16) -> usize {
+    let mine: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .expect("fds")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 9
+                && f[3] == "01"
+                && f[2].ends_with(&format!(":{port:04X}"))
+                && mine.contains(f[9])
+        })
+        .count()
+}
+
+/// One client shared by every thread, per path: threads read random runs
+/// (across extents and nodes, the partial last page included) and hammer a
+/// few hot pages that a writer thread rewrites. Every byte is checked, no
+/// read is older than a write acknowledged before it started (single
+/// flight included), concurrent reads of a hot page share a read, and over
+/// tcp the process holds at most one connection per thread to each node
+/// (one in all with `tcp_shared`).
+#[test]
+fn one_client_shared_by_threads_reads_runs_and_shares_reads_of_a_page() {
+    let _serial = serial();
+    let t0 = Instant::now();
+    let mut c = Cluster::new(3000);
+    for id in ["s1", "s2", "s3"] {
+        c.start_node(id, 1024);
+    }
+    c.wait_stable(3);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let hot: Vec<u64> = (0..8u64).map(|i| i * 97 + 5).collect();
+    let acked: Arc<Vec<AtomicU64>> = Arc::new((0..PAGES).map(|_| AtomicU64::new(0)).collect());
+    let mut coalesced = 0u64;
+    for (name, path, transport, tcp_shared) in [
+        (
+            "one-sided shm",
+            ReadPath::OneSided,
+            TransportChoice::Shm,
+            false,
+        ),
+        (
+            "one-sided tcp",
+            ReadPath::OneSided,
+            TransportChoice::Tcp,
+            false,
+        ),
+        (
+            "one-sided tcp, one connection",
+            ReadPath::OneSided,
+            TransportChoice::Tcp,
+            true,
+        ),
+        ("grpc", ReadPath::Grpc, TransportChoice::Auto, false),
+    ] {
+        let cl = Arc::new(
+            ClusterClient::new(
+                follower.clone(),
+                TOKEN,
+                ClientConfig {
+                    tcp_shared,
+                    ..config(path, transport)
+                },
+            )
+            .expect("client"),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let end = Instant::now() + Duration::from_secs(3);
+        let mut threads = Vec::new();
+        // Random runs, up to 40 pages, some ending at the last page.
+        for k in 0..2u64 {
+            let (cl, acked) = (cl.clone(), acked.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(k);
+                let mut buf = vec![0u8; 40 * PS];
+                let mut pages = 0u64;
+                while Instant::now() < end {
+                    let n = rng.random_range(1..=40u64);
+                    let first = if rng.random_bool(0.1) {
+                        PAGES - n
+                    } else {
+                        rng.random_range(0..=PAGES - n)
+                    };
+                    let floors: Vec<u64> = (first..first + n)
+                        .map(|p| acked[p as usize].load(Ordering::Acquire))
+                        .collect();
+                    buf.fill(0xAA);
+                    let info = cl
+                        .read_run(first, n as usize, &mut buf[..n as usize * PS])
+                        .unwrap_or_else(|e| panic!("{name}: pages {first}..+{n}: {e}"));
+                    assert_eq!(info.pages.len(), n as usize);
+                    for (i, floor) in floors.into_iter().enumerate() {
+                        let p = first + i as u64;
+                        let g = check(p, &buf[i * PS..(i + 1) * PS], cl.page_len(p))
+                            .unwrap_or_else(|e| panic!("{name}: run {first}..+{n}: {e}"));
+                        assert!(g >= floor, "{name}: page {p} at {g}, {floor} acknowledged");
+                    }
+                    pages += n;
+                }
+                pages
+            }));
+        }
+        // Hot pages, read by three threads at once.
+        for k in 0..3usize {
+            let (cl, acked, hot) = (cl.clone(), acked.clone(), hot.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut buf = vec![0u8; PS];
+                let mut n = 0u64;
+                while Instant::now() < end {
+                    let p = hot[(n as usize + k) % hot.len()];
+                    let floor = acked[p as usize].load(Ordering::Acquire);
+                    cl.read_page(p, &mut buf)
+                        .unwrap_or_else(|e| panic!("{name}: hot page {p}: {e}"));
+                    let g = check(p, &buf, PS).unwrap_or_else(|e| panic!("{name}: {e}"));
+                    assert!(
+                        g >= floor,
+                        "{name}: hot page {p} at {g}, {floor} acknowledged"
+                    );
+                    n += 1;
+                }
+                n
+            }));
+        }
+        // The writer of the hot pages, through the same client.
+        let writer = {
+            let (cl, acked, hot, stop) = (cl.clone(), acked.clone(), hot.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; PS];
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let p = hot[n as usize % hot.len()];
+                    let g = acked[p as usize].load(Ordering::Acquire) + 1;
+                    pattern::fill(p, g, &mut buf);
+                    cl.write_page(p, &buf)
+                        .unwrap_or_else(|e| panic!("{name}: write of {p}: {e}"));
+                    acked[p as usize].store(g, Ordering::Release);
+                    n += 1;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                n
+            })
+        };
+        let mut pages = 0;
+        for t in threads {
+            pages += t.join().expect("reader");
+        }
+        if transport == TransportChoice::Tcp {
+            // Every node was read over tcp by five threads: one connection
+            // to each when shared, at most one per thread otherwise.
+            let map = follower.map();
+            for n in &map.nodes {
+                let t = n.transports.iter().find(|t| t.kind == "tcp").expect("tcp");
+                let port: u16 = t
+                    .endpoint
+                    .rsplit(':')
+                    .next()
+                    .expect("port")
+                    .parse()
+                    .expect("port");
+                let conns = tcp_conns_to(port);
+                assert!(
+                    if tcp_shared {
+                        conns == 1
+                    } else {
+                        (1..=5).contains(&conns)
+                    },
+                    "{name}: {conns} connections to node {} ({})",
+                    n.node_id,
+                    t.endpoint
+                );
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let writes = writer.join().expect("writer");
+        let s = cl.stats();
+        eprintln!(
+            "MEASURE {name}: {pages} pages by runs and hot reads ({} reads in all, {} shared \
+             with another thread's read), {writes} writes, {} retries",
+            s.reads, s.coalesced, s.retries
+        );
+        assert_eq!(s.unavailable, 0);
+        assert_eq!(
+            s.reads,
+            s.one_sided + s.fault_ins + s.grpc_reads + s.coalesced,
+            "{name}: {s:?}"
+        );
+        assert!(writes > 0);
+        coalesced += s.coalesced;
+    }
+    assert!(
+        coalesced > 0,
+        "three threads reading eight hot pages never shared a read"
+    );
+    eprintln!(
+        "COVERED a shared client on every path: runs, hot pages, writes: {:?}",
+        t0.elapsed()
+    );
+}
+
 /// kill -9 of a node under a read loop over tcp: reads stall about one
 /// lease, then go on from the new owners; none fails, none is wrong.
 #[test]
@@ -439,9 +649,8 @@ fn reads_go_on_after_an_owner_is_killed() {
     let reader = {
         let (f, stop, before) = (follower.clone(), stop.clone(), before.clone());
         std::thread::spawn(move || {
-            let mut cl =
-                ClusterClient::new(f, TOKEN, config(ReadPath::OneSided, TransportChoice::Tcp))
-                    .expect("client");
+            let cl = ClusterClient::new(f, TOKEN, config(ReadPath::OneSided, TransportChoice::Tcp))
+                .expect("client");
             let mut rng = SmallRng::seed_from_u64(2);
             let mut buf = vec![0u8; PS];
             // (started, took, page was the victim's, answered by)
@@ -551,9 +760,8 @@ fn a_sigterm_drains_the_node_with_no_failed_read_and_a_second_one_exits_at_once(
     let reader = {
         let (f, stop) = (follower.clone(), stop.clone());
         std::thread::spawn(move || {
-            let mut cl =
-                ClusterClient::new(f, TOKEN, config(ReadPath::OneSided, TransportChoice::Tcp))
-                    .expect("client");
+            let cl = ClusterClient::new(f, TOKEN, config(ReadPath::OneSided, TransportChoice::Tcp))
+                .expect("client");
             let mut rng = SmallRng::seed_from_u64(9);
             let mut buf = vec![0u8; PS];
             let (mut reads, mut longest, mut errors) = (0u64, Duration::ZERO, Vec::new());
@@ -729,7 +937,7 @@ fn no_read_is_older_than_an_acknowledged_write_through_a_frozen_owner() {
         );
         let (hold, in_victim_write, map) = (hold.clone(), in_victim_write.clone(), map.clone());
         std::thread::spawn(move || {
-            let mut cl = ClusterClient::new(
+            let cl = ClusterClient::new(
                 f,
                 TOKEN,
                 ClientConfig {
@@ -788,7 +996,7 @@ fn no_read_is_older_than_an_acknowledged_write_through_a_frozen_owner() {
         let (pages, acked, phase, stop) =
             (pages.clone(), acked.clone(), phase.clone(), stop.clone());
         std::thread::spawn(move || {
-            let mut cl = ClusterClient::new(
+            let cl = ClusterClient::new(
                 f,
                 TOKEN,
                 ClientConfig {

@@ -34,8 +34,20 @@
 //! connection broken ([`SharedConnection::is_broken`]): whoever hands out
 //! handles opens a fresh connection for new readers instead.
 //!
-//! Waiting holds the mutex for at most [`WAIT_SLICE`] at a time, so a
-//! thread posting never waits long behind another thread's wait.
+//! **Waiting.** By default a waiting handle runs the inner connection's
+//! blocking wait under the mutex, for at most [`WAIT_SLICE`] at a time, so
+//! a thread posting waits at most that long behind another thread's wait.
+//! A connection shared with [`SharedConnection::waiting_on_fd`] is waited
+//! on without the mutex instead: the handle polls the inner connection
+//! (non-blocking) under the mutex, arms its readiness descriptor, polls
+//! once more, lets go of the mutex and sleeps in `poll(2)` on the
+//! descriptor (at most [`WAIT_SLICE`] at a time); whoever wakes first takes
+//! the mutex and files what arrived for everyone. Posting then never waits
+//! behind a wait, so several threads keep several READs in flight on the
+//! one connection (`tcp`, whose own wait would otherwise hold the mutex
+//! for each round trip). A completion that arrives between the last poll
+//! and the sleep leaves the descriptor readable (the arm contract), so the
+//! sleep returns at once and nothing is missed.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -56,6 +68,9 @@ struct Inner<C> {
     /// Completions filed for each live handle, with wire ids.
     queues: HashMap<u32, Vec<Completion>>,
     scratch: Vec<Completion>,
+    /// A handle sleeps on the readiness descriptor now (`waiting_on_fd`):
+    /// the others sleep on `Shared::filed` until it has filed.
+    polling: bool,
 }
 
 struct Shared<C> {
@@ -63,6 +78,11 @@ struct Shared<C> {
     next_handle: AtomicU32,
     broken: AtomicBool,
     limits: Limits,
+    /// Handles sleep on this descriptor without the mutex (None: they wait
+    /// on the inner connection under it).
+    fd: Option<std::os::fd::RawFd>,
+    /// Signalled when the polling handle has filed what arrived.
+    filed: std::sync::Condvar,
 }
 
 impl<C: Connection> Shared<C> {
@@ -84,6 +104,10 @@ impl<C: Connection> Shared<C> {
 
     /// Files the completions in `inner.scratch` into their handles' queues.
     fn file(&self, inner: &mut Inner<C>) {
+        if self.fd.is_some() && !inner.scratch.is_empty() {
+            // Handles asleep on `filed` may have completions now.
+            self.filed.notify_all();
+        }
         let Inner {
             queues, scratch, ..
         } = inner;
@@ -103,6 +127,21 @@ impl<C: Connection> Shared<C> {
     }
 }
 
+/// Sleeps until `fd` is readable or `limit` passes (a signal ends it early,
+/// which the caller's loop absorbs).
+fn sleep_readable(fd: std::os::fd::RawFd, limit: Duration) {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = limit.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
+    // SAFETY: `p` is one valid pollfd for the duration of the call. The
+    // descriptor stays open while any handle lives (the connection owns it
+    // and outlives its handles); poll(2) on it touches no memory of ours.
+    unsafe { libc::poll(&mut p, 1, ms) };
+}
+
 /// A connection shared by the threads of a process; see the module doc.
 pub struct SharedConnection<C: Connection> {
     shared: Arc<Shared<C>>,
@@ -120,6 +159,20 @@ impl<C: Connection> SharedConnection<C> {
     /// Shares `conn`, which must have nothing outstanding.
     #[must_use]
     pub fn new(conn: C) -> Self {
+        Self::with_fd(conn, None)
+    }
+
+    /// Shares `conn` (nothing outstanding); handles wait on its readiness
+    /// descriptor without holding the shared lock (the module doc's
+    /// "Waiting"). A connection without a descriptor is shared as
+    /// [`SharedConnection::new`] does.
+    #[must_use]
+    pub fn waiting_on_fd(conn: C) -> Self {
+        let fd = conn.readiness_fd();
+        Self::with_fd(conn, fd)
+    }
+
+    fn with_fd(conn: C, fd: Option<std::os::fd::RawFd>) -> Self {
         debug_assert_eq!(conn.outstanding(), 0);
         let limits = conn.limits();
         Self {
@@ -128,10 +181,13 @@ impl<C: Connection> SharedConnection<C> {
                     conn,
                     queues: HashMap::new(),
                     scratch: Vec::new(),
+                    polling: false,
                 }),
                 next_handle: AtomicU32::new(0),
                 broken: AtomicBool::new(false),
                 limits,
+                fd,
+                filed: std::sync::Condvar::new(),
             }),
         }
     }
@@ -205,7 +261,12 @@ impl<C: Connection> SharedHandle<C> {
     /// Polls the inner connection (filing what arrived) and moves this
     /// handle's completions to `out`, with the caller's ids.
     fn collect(&mut self, inner: &mut Inner<C>, out: &mut Vec<Completion>) -> usize {
-        self.shared.pump(inner, Duration::ZERO);
+        // While a handle sleeps on the descriptor, only it reads the
+        // connection: bytes taken from under it would leave it asleep with
+        // its completions filed.
+        if !inner.polling {
+            self.shared.pump(inner, Duration::ZERO);
+        }
         self.take(inner, out)
     }
 
@@ -228,6 +289,54 @@ impl<C: Connection> SharedHandle<C> {
             });
         }
         n
+    }
+
+    /// `wait` of a connection shared with `waiting_on_fd` (the module
+    /// doc's "Waiting"): one handle at a time sleeps on the descriptor
+    /// without the lock and files what arrives; the others sleep on the
+    /// condition variable until it has.
+    fn wait_fd(
+        &mut self,
+        shared: &Shared<C>,
+        fd: std::os::fd::RawFd,
+        out: &mut Vec<Completion>,
+        start: Instant,
+        timeout: Duration,
+    ) -> usize {
+        let mut inner = shared.lock();
+        loop {
+            let n = self.collect(&mut inner, out);
+            if n > 0 || self.outstanding == 0 {
+                return n;
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return 0;
+            }
+            let slice = left.min(WAIT_SLICE);
+            if inner.polling {
+                inner = shared
+                    .filed
+                    .wait_timeout(inner, slice)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                continue;
+            }
+            // This handle polls: arm, poll once more, sleep without the lock.
+            inner.conn.arm();
+            let n = self.collect(&mut inner, out);
+            if n > 0 {
+                shared.filed.notify_all();
+                return n;
+            }
+            inner.polling = true;
+            drop(inner);
+            sleep_readable(fd, slice);
+            inner = shared.lock();
+            inner.polling = false;
+            shared.pump(&mut inner, Duration::ZERO);
+            shared.filed.notify_all();
+        }
     }
 
     fn slot(&mut self, caller: u64) -> u32 {
@@ -282,8 +391,11 @@ unsafe impl<C: Connection> Connection for SharedHandle<C> {
                 }
                 Err(PostError::QueueFull { .. }) if start.elapsed() < ROOM_WAIT => {
                     // Other threads' READs fill the connection: make room by
-                    // polling (filing theirs), then try again.
-                    shared.pump(&mut inner, Duration::ZERO);
+                    // polling (filing theirs; unless a handle sleeps on the
+                    // descriptor, which will), then try again.
+                    if !inner.polling {
+                        shared.pump(&mut inner, Duration::ZERO);
+                    }
                     drop(inner);
                     std::thread::yield_now();
                 }
@@ -320,6 +432,9 @@ unsafe impl<C: Connection> Connection for SharedHandle<C> {
     fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> usize {
         let start = Instant::now();
         let shared = Arc::clone(&self.shared);
+        if let Some(fd) = shared.fd {
+            return self.wait_fd(&shared, fd, out, start, timeout);
+        }
         loop {
             {
                 let mut inner = shared.lock();

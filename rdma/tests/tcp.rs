@@ -78,6 +78,13 @@ mod shared {
     use super::{Tcp, conformance};
     crate::conformance_tests!(conformance::Shared<Tcp>);
 }
+
+/// And with the handles sleeping on the socket without the lock, as the
+/// client's one tcp connection per owner does.
+mod shared_fd {
+    use super::{Tcp, conformance};
+    crate::conformance_tests!(conformance::Shared<Tcp, true>);
+}
 epoch_tests!(Tcp);
 external_memory_tests!(Tcp);
 

@@ -165,7 +165,7 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
     for wt in 0..if a.write { a.writer_threads.max(1) } else { 0 } {
         let me = a.id + a.workers.max(1) * wt;
         let mine: Vec<u64> = set.iter().copied().filter(|p| p % writers == me).collect();
-        let mut c = client(a, &token)?;
+        let c = client(a, &token)?;
         let mut log = Log::create(&a.history.with_extension(format!("w{wt}")))?;
         let stop = stop.clone();
         let seed = a.seed ^ (wt + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
@@ -209,8 +209,8 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
         }));
     }
     for r in 0..a.reader_threads {
-        let mut c = client(a, &token)?;
-        let mut cg = if a.runs_grpc {
+        let c = client(a, &token)?;
+        let cg = if a.runs_grpc {
             Some(client_on(a, &token, true)?)
         } else {
             None
@@ -239,15 +239,25 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
                 } else {
                     (set[rng.random_range(0..set.len())], 1)
                 };
-                for p in first..first + n {
-                    let inv = now_ns();
-                    let r = match (&mut cg, is_run) {
-                        (Some(g), true) => g.read_page(p, &mut buf),
-                        _ => c.read_page(p, &mut buf),
-                    };
-                    let resp = now_ns();
-                    let (ok, corrupt, g) = match r {
-                        Ok(_) => match pattern::verify(p, &buf[..c.page_len(p)]) {
+                // A run is one read_run (batched, one doorbell per batch):
+                // every page of it logged with the run's invocation and
+                // response, as each page was read somewhere in between.
+                let inv = now_ns();
+                let client = match (&cg, is_run) {
+                    (Some(g), true) => g,
+                    _ => &c,
+                };
+                let need = n as usize * client.page_size();
+                if buf.len() < need {
+                    buf.resize(need, 0);
+                }
+                let r = client.read_run(first, n as usize, &mut buf[..need]);
+                let resp = now_ns();
+                for (k, p) in (first..first + n).enumerate() {
+                    let ps = c.page_size();
+                    let page = &buf[k * ps..k * ps + c.page_len(p)];
+                    let (ok, corrupt, g) = match &r {
+                        Ok(_) => match pattern::verify(p, page) {
                             Ok(g) if lie_every > 0 && g >= 2 => {
                                 n_read += 1;
                                 (
@@ -271,7 +281,7 @@ pub fn run(a: &WorkerArgs) -> anyhow::Result<()> {
                         Err(e) => {
                             t.reads_failed += 1;
                             t.first_error
-                                .get_or_insert_with(|| format!("read of page {p}: {e}"));
+                                .get_or_insert_with(|| format!("read of pages {first}..+{n}: {e}"));
                             (false, false, 0)
                         }
                     };

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use pagewire_client::remote::{Outcome, RemoteReader};
+use pagewire_client::{ClusterClient, Via};
 use pagewire_node::pattern;
 use pagewire_proto::v1::{PageRun, ReadRequest};
 use pagewire_rdma::Connection;
@@ -71,6 +72,64 @@ fn verify(page: u64, buf: &[u8], c: &mut Counters) {
     c.pages += 1;
     if pattern::verify(page, buf).is_err() {
         c.wrong_reads += 1;
+    }
+}
+
+/// One thread's use of a [`ClusterClient`] shared by every client of its
+/// group (the library as a program uses it: one per process). A run of
+/// pages is one `read_run`.
+pub struct SharedCluster {
+    pub client: Arc<ClusterClient>,
+    buf: Vec<u8>,
+    own: Counters,
+}
+
+impl SharedCluster {
+    pub fn new(client: Arc<ClusterClient>) -> Self {
+        Self {
+            client,
+            buf: Vec::new(),
+            own: Counters::default(),
+        }
+    }
+}
+
+impl Client for SharedCluster {
+    fn op(&mut self, first: u64, run: usize) -> anyhow::Result<()> {
+        self.buf.resize(run * PAGE, 0);
+        let info = self.client.read_run(first, run, &mut self.buf)?;
+        for (i, r) in info.pages.iter().enumerate() {
+            if r.via == Via::FaultIn {
+                self.own.fallbacks += 1;
+            }
+            self.own.retries += u64::from(r.attempts - 1);
+            verify(
+                first + i as u64,
+                &self.buf[i * PAGE..(i + 1) * PAGE],
+                &mut self.own,
+            );
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> Counters {
+        Counters {
+            // The client's readers count round trips and validation failures
+            // for the whole group: shown on the group's first client only.
+            ..self.own
+        }
+    }
+
+    fn prime(&mut self, pages: u64) -> anyhow::Result<()> {
+        // Every thread's reader learns every page's frame.
+        let mut p = 0;
+        while p < pages {
+            let n = (pages - p).min(16) as usize;
+            self.op(p, n)?;
+            p += n as u64;
+        }
+        self.own = Counters::default();
+        Ok(())
     }
 }
 

@@ -78,6 +78,8 @@ pub struct Cluster {
     coordinator: Child,
     node: Child,
     pub node_addr: String,
+    /// The coordinator's `host:port`.
+    pub coordinator_addr: String,
     pub map_epoch: u64,
     pub transports: Vec<TransportDescriptor>,
     token: String,
@@ -194,6 +196,7 @@ impl Cluster {
             coordinator,
             node,
             node_addr: String::new(),
+            coordinator_addr: format!("{ip}:{port}"),
             map_epoch: 0,
             transports: Vec::new(),
             token: token.to_owned(),

@@ -821,7 +821,7 @@ fn prober(
         op_deadline: Duration::from_millis(250),
         ..ClientConfig::default()
     };
-    let mut client = ClusterClient::new(follower.clone(), token, cfg)?;
+    let client = ClusterClient::new(follower.clone(), token, cfg)?;
     let map = follower.map();
     let per_extent = (map.extent_size / map.page_size as u64).max(1);
     let pages = client.file_pages();

@@ -84,6 +84,9 @@ pub struct FollowerConfig {
     /// Longer than the lease, the trust window lapses between polls and
     /// readers wait for a confirmation (tests use it to prove the window).
     pub poll_interval: Option<Duration>,
+    /// TLS for the channels to the coordinators: the CA that signs their
+    /// certificates and the name they carry. None: plain text.
+    pub tls: Option<pagewire_proto::net::ClientTls>,
 }
 
 impl Default for FollowerConfig {
@@ -93,6 +96,7 @@ impl Default for FollowerConfig {
             connect_timeout: Duration::from_millis(500),
             rpc_timeout: Duration::from_secs(1),
             poll_interval: None,
+            tls: None,
         }
     }
 }
@@ -303,12 +307,12 @@ impl MapFollower {
         // Lazy channels spawn their workers on the runtime they are made in.
         let coords = {
             let _in = rt.enter();
-            Coordinators::new(&addresses, attach, None, cfg.connect_timeout).map_err(|e| {
-                ClientError::Coordinator {
+            Coordinators::new(&addresses, attach, cfg.tls.clone(), cfg.connect_timeout).map_err(
+                |e| ClientError::Coordinator {
                     address: coordinator.to_owned(),
                     reason: chain(&e),
-                }
-            })?
+                },
+            )?
         };
         let mut coord = Coordinator {
             coords,

@@ -10,16 +10,19 @@
 //! reconnects when they differ. The reader itself refuses a descriptor of
 //! an earlier incarnation ([`crate::remote::RemoteError::Stale`]).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
 use pagewire_proto::auth::AttachToken;
+use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{FaultInRequest, MapNode, PageRun, TransportDescriptor};
-use pagewire_rdma::RegionDescriptor;
 use pagewire_rdma::shm::{ShmConfig, ShmConnection};
 use pagewire_rdma::tcp::{ConnectionConfig, TcpConnection};
+use pagewire_rdma::{RegionDescriptor, SharedConnection, SharedHandle, WeakShared};
 
 /// A node's gRPC client with the cluster token attached.
 pub(crate) type NodeRpc = NodeClient<
@@ -66,10 +69,14 @@ pub enum Transport {
     Tcp,
 }
 
-/// A one-sided reader over one of the transports.
+/// A one-sided reader over one of the transports. `shm` readers each map
+/// the owner's file (no state on the owner); `verbs` readers are handles on
+/// the process's one queue pair to the owner (`verbs::handle`); `tcp`
+/// readers each have their own connection, or are handles on the process's
+/// one connection to the owner when asked ([`tcp_handle`]).
 pub(crate) enum Reader {
     Shm(RemoteReader<ShmConnection>),
-    Tcp(RemoteReader<TcpConnection>),
+    Tcp(RemoteReader<SharedHandle<TcpConnection>>),
     #[cfg(feature = "verbs")]
     Verbs(RemoteReader<verbs::Handle>),
 }
@@ -91,12 +98,21 @@ impl Reader {
         each!(self, r => r.read_page(page, out))
     }
 
+    pub(crate) fn read_run(
+        &mut self,
+        first: u64,
+        n: usize,
+        out: &mut [u8],
+    ) -> Result<Vec<Outcome>, RemoteError> {
+        each!(self, r => r.read_run(first, n, out))
+    }
+
     pub(crate) fn learn(&mut self, page: u64, frame: u32, generation: u64) {
         each!(self, r => r.learn(page, frame, generation));
     }
 
-    pub(crate) fn trust_until(&mut self, until: Instant) {
-        each!(self, r => r.trust_until(until));
+    pub(crate) fn trust(&mut self, until: Option<Instant>) {
+        each!(self, r => r.set_trust(until));
     }
 
     pub(crate) fn stats(&self) -> ReaderStats {
@@ -133,6 +149,9 @@ pub(crate) struct ConnectHow<'a> {
     /// The tcp connection's settings (token, timeouts); the token is
     /// overwritten with `token`.
     pub(crate) tcp: ConnectionConfig,
+    /// One tcp connection per (process, owner), readers its handles;
+    /// `false`: each reader its own connection.
+    pub(crate) tcp_shared: bool,
 }
 
 /// The map's transport descriptor as the rdma crate names a region (None:
@@ -196,11 +215,7 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
     if matches!(how.transport, TransportChoice::Auto | TransportChoice::Tcp) {
         for t in owner.transports.iter().filter(|t| t.kind == "tcp") {
             let Some(d) = descriptor(t) else { continue };
-            let cfg = ConnectionConfig {
-                token: how.token.as_bytes().to_vec(),
-                ..how.tcp.clone()
-            };
-            match TcpConnection::connect(t.endpoint.as_str(), cfg) {
+            match tcp_handle(&t.endpoint, d.epoch, how) {
                 Ok(c) => match RemoteReader::connect(c, d, how.reader.clone()) {
                     Ok(r) => {
                         return Ok(OwnerConn {
@@ -225,6 +240,55 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
     Err(why.join("; "))
 }
 
+type TcpRegistry = Mutex<HashMap<(String, u64, String), WeakShared<TcpConnection>>>;
+
+/// The process's tcp connections, by (owner endpoint, region epoch,
+/// token). Weak: a connection closes when its last reader goes.
+fn tcp_registry() -> &'static TcpRegistry {
+    static R: OnceLock<TcpRegistry> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// With `how.tcp_shared`: a handle on the process's one tcp connection to
+/// `endpoint` at `epoch`, connecting it if there is none (or it broke);
+/// else a connection of the reader's own. The connect runs with no
+/// lock held, so a frozen owner holds up only the readers of that owner;
+/// two threads that connect at once keep the first connection registered
+/// and drop the other.
+fn tcp_handle(
+    endpoint: &str,
+    epoch: u64,
+    how: &ConnectHow<'_>,
+) -> Result<SharedHandle<TcpConnection>, pagewire_rdma::ConnectError> {
+    let cfg = ConnectionConfig {
+        token: how.token.as_bytes().to_vec(),
+        ..how.tcp.clone()
+    };
+    if !how.tcp_shared {
+        // A connection of its own (the handle is its only one): the
+        // connection's own adaptive wait, under an uncontended lock.
+        return Ok(SharedConnection::new(TcpConnection::connect(endpoint, cfg)?).handle());
+    }
+    let key = (endpoint.to_owned(), epoch, how.token.to_owned());
+    let live = |reg: &mut std::sync::MutexGuard<'_, _>| {
+        let reg: &mut HashMap<_, WeakShared<TcpConnection>> = reg;
+        reg.retain(|_, w| w.upgrade().is_some_and(|c| !c.is_broken()));
+        reg.get(&key).and_then(WeakShared::upgrade)
+    };
+    if let Some(c) = live(&mut tcp_registry().lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(c.handle());
+    }
+    // Handles sleep on the socket without the lock: several threads keep
+    // several READs in flight on the one connection.
+    let conn = SharedConnection::waiting_on_fd(TcpConnection::connect(endpoint, cfg)?);
+    let mut reg = tcp_registry().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = live(&mut reg) {
+        return Ok(c.handle());
+    }
+    reg.insert(key, conn.downgrade());
+    Ok(conn.handle())
+}
+
 /// An error and its sources, `: `-separated (a source whose text the
 /// message already shows is left out: several errors print their source).
 pub(crate) fn chain(e: &dyn std::error::Error) -> String {
@@ -241,43 +305,54 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// What a fault-in on the owner returned for one page.
+/// What a fault-in on the owner returned for a run of pages.
 pub(crate) struct Faulted {
-    /// The page's bytes (its valid length).
+    /// The pages' bytes (each page's valid length), concatenated.
     pub(crate) data: Vec<u8>,
-    /// Where the owner holds it: frame and frame generation; `None` when
-    /// the owner served it without caching it (generation 0 on the wire).
-    pub(crate) location: Option<(u32, u64)>,
+    /// Where the owner holds each page: frame and frame generation; `None`
+    /// for a page the owner served without caching it (generation 0 on the
+    /// wire).
+    pub(crate) locations: Vec<Option<(u32, u64)>>,
 }
 
-/// Faults `page` in on its owner (`FaultIn` with `want_data`) and takes the
-/// bytes and the frame's location from the reply. `map_epoch` is the
-/// caller's map epoch (0: none).
+/// Faults pages `first..first + count` in on their owner (`FaultIn` with
+/// `want_data`) and takes the bytes and the frames' locations from the
+/// reply. `map_epoch` is the caller's map epoch (0: none).
 pub(crate) async fn fault_in(
     client: &mut NodeRpc,
-    page: u64,
+    first: u64,
+    count: u64,
     map_epoch: u64,
 ) -> Result<Faulted, tonic::Status> {
     let r = client
         .fault_in(FaultInRequest {
             run: Some(PageRun {
-                first_page: page,
-                page_count: 1,
+                first_page: first,
+                page_count: count,
             }),
             want_data: true,
             map_epoch,
         })
         .await?
         .into_inner();
-    let loc = r
+    if r.frames.len() as u64 != count {
+        return Err(tonic::Status::internal(format!(
+            "the owner returned {} frame locations for {count} pages",
+            r.frames.len()
+        )));
+    }
+    let locations = r
         .frames
-        .first()
-        .ok_or_else(|| tonic::Status::internal("the owner returned no frame"))?;
-    let frame =
-        u32::try_from(loc.frame_index).map_err(|e| tonic::Status::internal(e.to_string()))?;
+        .iter()
+        .map(|loc| {
+            let frame = u32::try_from(loc.frame_index)
+                .map_err(|e| tonic::Status::internal(e.to_string()))?;
+            Ok((loc.frame_generation != 0).then_some((frame, loc.frame_generation)))
+        })
+        .collect::<Result<_, tonic::Status>>()?;
     Ok(Faulted {
         data: r.data,
-        location: (loc.frame_generation != 0).then_some((frame, loc.frame_generation)),
+        locations,
     })
 }
 
@@ -286,9 +361,10 @@ pub(crate) async fn fault_in(
 pub(crate) async fn node_client(
     address: &str,
     token: &AttachToken,
+    tls: Option<&ClientTls>,
     connect_timeout: Duration,
 ) -> Result<NodeRpc, String> {
-    let ch = pagewire_proto::net::connect(address, None, connect_timeout)
+    let ch = pagewire_proto::net::connect(address, tls, connect_timeout)
         .await
         .map_err(|e| chain(&e))?;
     Ok(NodeClient::with_interceptor(ch, token.clone()))
@@ -465,6 +541,7 @@ mod tests {
             transport: TransportChoice::Auto,
             reader: ReaderConfig::default(),
             tcp: ConnectionConfig::new(token.as_bytes().to_vec()),
+            tcp_shared: false,
         };
         how.tcp.connect_timeout = Duration::from_millis(200);
         let e = connect(&owner_with(&["verbs", "tcp"]), &how)

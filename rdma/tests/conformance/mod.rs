@@ -779,13 +779,14 @@ macro_rules! external_memory_tests {
 /// [`SharedConnection`](pagewire_rdma::SharedConnection) (a new one once it
 /// broke), so the suite's concurrent connections are handles multiplexed
 /// onto one connection, and each must still get exactly its own
-/// completions.
-pub struct Shared<H: Harness> {
+/// completions. `FD`: shared with `SharedConnection::waiting_on_fd`
+/// (handles sleep on the readiness descriptor without the lock).
+pub struct Shared<H: Harness, const FD: bool = false> {
     inner: H,
     conn: std::sync::Mutex<Option<pagewire_rdma::SharedConnection<H::Conn>>>,
 }
 
-impl<H: Harness> Harness for Shared<H> {
+impl<H: Harness, const FD: bool> Harness for Shared<H, FD> {
     type Region = H::Region;
     type Conn = pagewire_rdma::SharedHandle<H::Conn>;
     const CHAOS: bool = H::CHAOS;
@@ -806,7 +807,12 @@ impl<H: Harness> Harness for Shared<H> {
         if g.as_ref()
             .is_none_or(pagewire_rdma::SharedConnection::is_broken)
         {
-            *g = Some(pagewire_rdma::SharedConnection::new(self.inner.connect()));
+            let c = self.inner.connect();
+            *g = Some(if FD {
+                pagewire_rdma::SharedConnection::waiting_on_fd(c)
+            } else {
+                pagewire_rdma::SharedConnection::new(c)
+            });
         }
         g.as_ref().expect("set above").handle()
     }
