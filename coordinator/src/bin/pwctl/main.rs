@@ -1,5 +1,6 @@
 //! `pwctl`: the pagewire admin CLI. Talks gRPC to the coordinator (and, for
-//! `stats`, to each node). Human tables by default, `--json` for machines.
+//! `stats`, to each node; for `read` and `write`, to the owners through the
+//! client library). Human tables by default, `--json` for machines.
 //!
 //! Exit status: 0 on success, 1 when the operation failed (coordinator
 //! unreachable, a node refused, ...), 2 on a usage or configuration error
@@ -9,7 +10,9 @@
 //! coordinators), `status` (`pwctl status`), `diagnose` (what a wrong
 //! `--coordinator` address is), `stats` (the fan-out to the nodes), `range`
 //! (warm and evict in chunks, with progress), `owner` (`pwctl owner`: which
-//! node answers a page).
+//! node answers a page), `pages` (`pwctl read` and `pwctl write` through a
+//! `pagewire_client::ClusterClient`, run outside pwctl's own runtime since
+//! that client blocks on its own).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,6 +56,7 @@ macro_rules! outln {
 mod coord;
 mod diagnose;
 mod owner;
+mod pages;
 mod range;
 mod stats;
 mod status;
@@ -66,9 +70,10 @@ use diagnose::CallFailed;
     name = "pwctl",
     version,
     after_help = "Exit status: 0 success; 1 the operation failed (coordinator unreachable, a \
-                  node refused, a drain did not finish in time); 2 usage or configuration \
-                  error (bad flags or RANGE, no token, unreadable or empty token file, a page \
-                  past the end of the file)."
+                  node refused, a drain did not finish in time, a read or write ran out of \
+                  time); 2 usage or configuration error (bad flags or RANGE, no token, \
+                  unreadable or empty token file, a page past the end of the file, a write \
+                  file of the wrong length, page bytes to a terminal)."
 )]
 struct Cli {
     /// Coordinator addresses, comma-separated (host:port or URL, at most
@@ -89,7 +94,8 @@ struct Cli {
     /// Name the servers' certificates carry (with --tls-ca).
     #[arg(long, global = true, default_value = "localhost")]
     tls_domain: String,
-    /// Time limit of each call, in milliseconds.
+    /// Time limit of each call, in milliseconds (for `read` and `write`: of
+    /// each page or run, retries through failover included).
     #[arg(long, global = true, default_value_t = 10_000)]
     timeout_ms: u64,
     /// Print JSON instead of tables.
@@ -145,8 +151,9 @@ enum Cmd {
     },
     /// NUMA layout of each node.
     Topology,
-    /// Which node answers reads of a page and which takes its writes, at
-    /// the current map: the page, its extent, both nodes (id, index, gRPC
+    /// Which node answers reads of a page and which takes its writes.
+    ///
+    /// At the current map: the page, its extent, both nodes (id, index, gRPC
     /// address, state) and the map epoch. During a handoff the previous
     /// owner answers reads and the new owner takes writes (once the
     /// handoff completes).
@@ -159,6 +166,49 @@ enum Cmd {
         /// A byte offset (4096, 1M) or pPAGE (p7): see below.
         #[arg(value_name = "WHERE")]
         target: String,
+    },
+    /// Read pages as a client does, to --out FILE or stdout (PAGES in pages).
+    ///
+    /// Through the client library, as a client process would: one-sided
+    /// from the owner's region, its FaultIn on a miss, or its gRPC Read. The
+    /// bytes go to --out FILE, else to stdout when it is not a terminal. Says where each page came from: node, path, frame
+    /// generation, attempts (on stderr when the bytes go to stdout).
+    #[command(
+        after_help = "PAGES counts pages, not bytes: N (one page), A..B (pages A to \
+                  B-1) or A+COUNT; numbers take K, M, G, T suffixes (powers of 1024) and \
+                  may start with `p` (p7). The bytes written are the file's bytes: a \
+                  partial last page gives only its valid length."
+    )]
+    Read {
+        /// N, A..B or A+COUNT, in pages (see below).
+        #[arg(value_name = "PAGES")]
+        pages: String,
+        /// Write the bytes to FILE (created or truncated) instead of stdout.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+        /// Transport of the one-sided reads.
+        #[arg(long, value_enum, default_value_t = pages::TransportArg::Auto)]
+        transport: pages::TransportArg,
+        /// Read with the owners' two-sided gRPC Read instead of one-sidedly.
+        #[arg(long, conflicts_with = "transport")]
+        grpc: bool,
+    },
+    /// Write one page through its owner, from --from FILE.
+    ///
+    /// Write-through: acknowledged once the backing file has it. Prints the
+    /// acknowledged frame generation and the owner.
+    #[command(
+        after_help = "FILE holds the page's valid length (the page size, less for a \
+                  partial last page), or a whole page with zeros past the valid length. \
+                  PAGE is a page number (K, M, G, T suffixes; may start with `p`)."
+    )]
+    Write {
+        /// The page number.
+        #[arg(value_name = "PAGE")]
+        page: String,
+        /// The page's new bytes.
+        #[arg(long, value_name = "FILE")]
+        from: PathBuf,
     },
     /// Show the admission/eviction policy, or change it.
     Policy {
@@ -191,6 +241,10 @@ impl std::error::Error for Usage {}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::Read { .. } | Cmd::Write { .. }) {
+        // The cluster client blocks on its own runtime: not inside ours.
+        return exit_code(pages::run(&cli));
+    }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -255,6 +309,11 @@ struct Ctx {
 }
 
 fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
+    Ok(token_text(cli)?.1)
+}
+
+/// The cluster token as text (the client library takes it so), checked.
+fn token_text(cli: &Cli) -> anyhow::Result<(String, AttachToken)> {
     let t = if let Some(path) = &cli.token_file {
         std::fs::read_to_string(path)
             .map_err(|e| Usage(format!("cannot read token file {}: {e}", path.display())))?
@@ -267,13 +326,14 @@ fn token(cli: &Cli) -> anyhow::Result<AttachToken> {
             Usage("no cluster token: pass --token-file FILE or set PAGEWIRE_TOKEN".into()).into(),
         );
     };
-    AttachToken::new(&t).map_err(|e| {
+    let attach = AttachToken::new(&t).map_err(|e| {
         let from = match &cli.token_file {
             Some(p) => format!("token file {}", p.display()),
             None => "PAGEWIRE_TOKEN".into(),
         };
-        Usage(format!("bad cluster token in {from}: {e}")).into()
-    })
+        anyhow::Error::from(Usage(format!("bad cluster token in {from}: {e}")))
+    })?;
+    Ok((t, attach))
 }
 
 /// `--tls-ca` and `--tls-domain`: TLS towards the coordinator and the nodes.
@@ -551,6 +611,9 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             let target = owner_target.expect("parsed above");
             owner::locate(&map, target)?.print(ctx.json);
             Ok(true)
+        }
+        Cmd::Read { .. } | Cmd::Write { .. } => {
+            unreachable!("main runs read and write outside the runtime")
         }
         Cmd::Policy { .. } => {
             let current = c
