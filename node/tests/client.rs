@@ -115,6 +115,9 @@ struct Cluster {
     lease_ms: u64,
     coord: Option<Proc>,
     nodes: Vec<Proc>,
+    /// Every gRPC server (coordinator, nodes) serves TLS with a certificate
+    /// for `localhost` signed by `dir/ca.pem` (`Cluster::new_tls`).
+    tls: bool,
 }
 
 impl Drop for Cluster {
@@ -152,9 +155,65 @@ impl Cluster {
             lease_ms,
             coord: None,
             nodes: Vec::new(),
+            tls: false,
         };
         c.start_coordinator();
         c
+    }
+
+    /// A cluster whose coordinator and nodes serve gRPC over TLS only:
+    /// a CA (`ca.pem`) and one certificate for `localhost` it signed,
+    /// with config files that turn TLS on both ways.
+    fn new_tls(lease_ms: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = |n: &str| dir.path().join(n);
+        std::fs::write(p("token"), TOKEN).expect("token file");
+        pattern::generate_file(&p("data"), FILE_LEN, PS).expect("data file");
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_key = rcgen::KeyPair::generate().expect("ca key");
+        let ca = ca_params.self_signed(&ca_key).expect("ca cert");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .expect("params")
+            .signed_by(&key, &ca, &ca_key)
+            .expect("cert");
+        std::fs::write(p("ca.pem"), ca.pem()).expect("ca.pem");
+        std::fs::write(p("server.pem"), cert.pem()).expect("server.pem");
+        std::fs::write(p("server.key"), key.serialize_pem()).expect("server.key");
+        let files = |ca_key: &str, domain_key: &str| {
+            format!(
+                "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{ca_key} = {:?}\n{domain_key} = \"localhost\"\n",
+                p("server.pem"),
+                p("server.key"),
+                p("ca.pem"),
+            )
+        };
+        std::fs::write(p("coordinator.toml"), files("node_ca_file", "node_domain"))
+            .expect("coordinator.toml");
+        std::fs::write(
+            p("node.toml"),
+            files("coordinator_ca_file", "coordinator_domain"),
+        )
+        .expect("node.toml");
+        let mut c = Cluster {
+            dir,
+            port: free_port(),
+            lease_ms,
+            coord: None,
+            nodes: Vec::new(),
+            tls: true,
+        };
+        c.start_coordinator();
+        c
+    }
+
+    /// How clients check the servers' certificates (None: plain text).
+    fn client_tls(&self) -> Option<pagewire_proto::net::ClientTls> {
+        self.tls.then(|| pagewire_proto::net::ClientTls {
+            ca_file: self.path("ca.pem"),
+            domain: "localhost".into(),
+        })
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -172,7 +231,11 @@ impl Cluster {
             .append(true)
             .open(&log)
             .expect("log");
-        let child = Command::new(coordinator_bin())
+        let mut cmd = Command::new(coordinator_bin());
+        if self.tls {
+            cmd.arg("--config").arg(self.path("coordinator.toml"));
+        }
+        let child = cmd
             .arg("--listen")
             .arg(self.coord_addr())
             .args(["--metrics-listen", "127.0.0.1:0"])
@@ -199,7 +262,11 @@ impl Cluster {
 
     fn start_node(&mut self, id: &str, frames: u64) {
         let log = self.path(&format!("{id}.log"));
-        let child = Command::new(node_bin())
+        let mut cmd = Command::new(node_bin());
+        if self.tls {
+            cmd.arg("--config").arg(self.path("node.toml"));
+        }
+        let child = cmd
             .args(["--node-id", id])
             .arg("--backing-file")
             .arg(self.path("data"))
@@ -234,8 +301,9 @@ impl Cluster {
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let addr = self.coord_addr();
+        let tls = self.client_tls();
         rt().block_on(async move {
-            let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(2))
+            let ch = pagewire_proto::net::connect(&addr, tls.as_ref(), Duration::from_secs(2))
                 .await
                 .ok()?;
             let c =
@@ -629,6 +697,102 @@ fn one_client_shared_by_threads_reads_runs_and_shares_reads_of_a_page() {
         "COVERED a shared client on every path: runs, hot pages, writes: {:?}",
         t0.elapsed()
     );
+}
+
+/// Every server speaks TLS only: a client with the CA reads every page
+/// over gRPC and one-sidedly (its misses faulted in over TLS) and writes;
+/// a follower without TLS cannot start, and a client whose node channels
+/// lack it gets Unavailable, not bytes.
+#[test]
+fn over_tls_the_client_reads_and_writes_and_plain_text_is_refused() {
+    let _serial = serial();
+    let mut c = Cluster::new_tls(3000);
+    for id in ["t1", "t2"] {
+        c.start_node(id, 2048);
+    }
+    c.wait_stable(2);
+    let tls = c.client_tls();
+    let plain = MapFollower::start_with(
+        &c.coord_addr(),
+        TOKEN,
+        FollowerConfig {
+            connect_timeout: Duration::from_millis(500),
+            rpc_timeout: Duration::from_millis(500),
+            ..FollowerConfig::default()
+        },
+    );
+    assert!(
+        plain.is_err(),
+        "a follower without TLS started against a TLS coordinator"
+    );
+    let follower = MapFollower::start_with(
+        &c.coord_addr(),
+        TOKEN,
+        FollowerConfig {
+            tls: tls.clone(),
+            ..FollowerConfig::default()
+        },
+    )
+    .expect("a follower over TLS");
+    for (name, path) in [("grpc", ReadPath::Grpc), ("one-sided", ReadPath::OneSided)] {
+        let cl = ClusterClient::new(
+            follower.clone(),
+            TOKEN,
+            ClientConfig {
+                tls: tls.clone(),
+                ..config(path, TransportChoice::Shm)
+            },
+        )
+        .expect("client");
+        let mut buf = vec![0u8; 16 * PS];
+        for first in (0..PAGES).step_by(16) {
+            cl.read_run(first, 16, &mut buf)
+                .unwrap_or_else(|e| panic!("{name}: pages {first}..+16 over TLS: {e}"));
+            for i in 0..16 {
+                let p = first + i as u64;
+                check(p, &buf[i * PS..(i + 1) * PS], cl.page_len(p))
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
+        }
+        let s = cl.stats();
+        match path {
+            ReadPath::Grpc => assert_eq!(s.grpc_reads, PAGES, "{name}: {s:?}"),
+            // The caches started cold: misses went to FaultIn, over TLS.
+            ReadPath::OneSided => assert!(s.fault_ins > 0 && s.one_sided > 0, "{name}: {s:?}"),
+        }
+        eprintln!("MEASURE {name} over TLS: {} pages, {s:?}", PAGES);
+    }
+    let cl = ClusterClient::new(
+        follower.clone(),
+        TOKEN,
+        ClientConfig {
+            tls: tls.clone(),
+            ..config(ReadPath::Grpc, TransportChoice::Auto)
+        },
+    )
+    .expect("client");
+    let mut page = vec![0u8; PS];
+    // New extents' owners fence writes for a lease: retried inside.
+    pattern::fill(9, 1, &mut page);
+    cl.write_page(9, &page).expect("a write over TLS");
+    let mut back = vec![0u8; PS];
+    cl.read_page(9, &mut back).expect("read back");
+    assert_eq!(check(9, &back, PS), Ok(1));
+    // Node channels in plain text: refused by every node, never bytes.
+    let bare = ClusterClient::new(
+        follower,
+        TOKEN,
+        ClientConfig {
+            op_deadline: Duration::from_millis(1500),
+            ..config(ReadPath::Grpc, TransportChoice::Auto)
+        },
+    )
+    .expect("client");
+    match bare.read_page(3, &mut back) {
+        Err(ClientError::Unavailable { .. }) => {}
+        other => panic!("a plain-text read from TLS nodes: {other:?}"),
+    }
+    eprintln!("COVERED TLS: follower, gRPC reads, FaultIn, a write; plain text refused");
 }
 
 /// kill -9 of a node under a read loop over tcp: reads stall about one
