@@ -23,6 +23,9 @@
 //! * [`clock`]: the monotonic clock of leases and trust windows, which
 //!   counts time spent suspended.
 //!
+//! Built on this crate: `pagewire-mount` (the file over FUSE) and `pwctl
+//! read`, `write` and `owner` (the command line).
+//!
 //! # A complete program
 //!
 //! Reads page 7, writes it back with its first byte changed, and reads it
