@@ -567,7 +567,13 @@ fn one_client_shared_by_threads_reads_runs_and_shares_reads_of_a_page() {
             .expect("client"),
         );
         let stop = Arc::new(AtomicBool::new(false));
-        let end = Instant::now() + Duration::from_secs(3);
+        // PAGEWIRE_SHARED_CLIENT_SECS: seconds per path (default 3, CI's
+        // smoke; the soak before calling the shared client done ran minutes).
+        let secs = std::env::var("PAGEWIRE_SHARED_CLIENT_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3u64);
+        let end = Instant::now() + Duration::from_secs(secs);
         let mut threads = Vec::new();
         // Random runs, up to 40 pages, some ending at the last page.
         for k in 0..2u64 {
