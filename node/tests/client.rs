@@ -705,8 +705,9 @@ fn one_client_shared_by_threads_reads_runs_and_shares_reads_of_a_page() {
     );
 }
 
-/// Every server speaks TLS only: a client with the CA reads every page
-/// over gRPC and one-sidedly (its misses faulted in over TLS) and writes;
+/// Every server speaks TLS only: a node reads another's page (its FaultIn
+/// over TLS), a client with the CA reads every page over gRPC and
+/// one-sidedly (its misses faulted in over TLS) and writes;
 /// a follower without TLS cannot start, and a client whose node channels
 /// lack it gets Unavailable, not bytes.
 #[test]
@@ -716,8 +717,39 @@ fn over_tls_the_client_reads_and_writes_and_plain_text_is_refused() {
     for id in ["t1", "t2"] {
         c.start_node(id, 2048);
     }
-    c.wait_stable(2);
+    let map = c.wait_stable(2);
     let tls = c.client_tls();
+    // A node asked for a page another node owns reads it from that node:
+    // one-sidedly, and the caches are cold, so with its FaultIn over TLS.
+    let page = (0..PAGES)
+        .find(|&p| read_owner(&map, p) == Some(index_of(&map, "t2")))
+        .expect("a page of t2");
+    let t1 = map
+        .nodes
+        .iter()
+        .find(|n| n.node_id == "t1")
+        .expect("t1")
+        .grpc_address
+        .clone();
+    let got = rt().block_on(async {
+        let ch = pagewire_proto::net::connect(&t1, tls.as_ref(), Duration::from_secs(2))
+            .await
+            .expect("t1 over TLS");
+        let mut n = pagewire_proto::v1::node_client::NodeClient::with_interceptor(
+            ch,
+            AttachToken::new(TOKEN).expect("token"),
+        );
+        n.read(pagewire_proto::v1::ReadRequest {
+            run: Some(pagewire_proto::v1::PageRun {
+                first_page: page,
+                page_count: 1,
+            }),
+            map_epoch: map.epoch,
+        })
+        .await
+    });
+    let got = got.unwrap_or_else(|s| panic!("t1's read of page {page}, which t2 owns: {s:?}"));
+    assert_eq!(check(page, &got.into_inner().data, PS), Ok(0));
     let plain = MapFollower::start_with(
         &c.coord_addr(),
         TOKEN,

@@ -108,6 +108,30 @@ pub(crate) struct TlsSection {
     pub(crate) client_ca_file: Option<PathBuf>,
     pub(crate) coordinator_ca_file: Option<PathBuf>,
     pub(crate) coordinator_domain: String,
+    /// CA and name of the other nodes' certificates, for the `FaultIn`
+    /// calls of pages this node reads from them (default: the
+    /// coordinator's).
+    pub(crate) peer_ca_file: Option<PathBuf>,
+    pub(crate) peer_domain: String,
+}
+
+impl TlsSection {
+    /// How this node checks its peers' gRPC servers (None: plain text).
+    pub(crate) fn peer(&self) -> Option<pagewire_proto::net::ClientTls> {
+        match &self.peer_ca_file {
+            Some(ca) => Some(pagewire_proto::net::ClientTls {
+                ca_file: ca.clone(),
+                domain: self.peer_domain.clone(),
+            }),
+            None => self
+                .coordinator_ca_file
+                .as_ref()
+                .map(|ca| pagewire_proto::net::ClientTls {
+                    ca_file: ca.clone(),
+                    domain: self.coordinator_domain.clone(),
+                }),
+        }
+    }
 }
 
 impl Default for Config {
@@ -262,6 +286,21 @@ impl Config {
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid("tls", "cert_file and key_file go together"));
         }
+        if self.tls.peer_ca_file.is_some() && self.tls.peer_domain.is_empty() {
+            return Err(invalid(
+                "tls.peer_domain",
+                "required with tls.peer_ca_file: the name the other nodes' certificates carry",
+            ));
+        }
+        if self.tls.cert_file.is_some() && self.tls.peer().is_none() {
+            // The nodes of a cluster serve alike: a node serving TLS reads
+            // its peers' pages (FaultIn) from TLS servers.
+            return Err(invalid(
+                "tls.peer_ca_file",
+                "this node serves TLS (tls.cert_file), so its peers do: set tls.peer_ca_file \
+                 (or tls.coordinator_ca_file) to verify them with",
+            ));
+        }
         if self.tls.coordinator_ca_file.is_some() && self.tls.coordinator_domain.is_empty() {
             return Err(invalid(
                 "tls.coordinator_domain",
@@ -354,6 +393,44 @@ mod tests {
         let r = coordinator_error(&many.join(",")).expect("too many");
         assert!(r.contains("17") && r.contains("at most 16"), "{r}");
         assert_eq!(coordinator_error(&many[..16].join(",")), None);
+    }
+
+    /// A node serving TLS must be able to verify its peers (whose pages it
+    /// faults in over gRPC): the peers' CA, or the coordinator's.
+    #[test]
+    fn a_node_serving_tls_needs_a_ca_for_its_peers() {
+        let mut cfg = Config {
+            backing_file: "/tmp/data".into(),
+            ..Config::default()
+        };
+        cfg.tls.cert_file = Some("/tls/node.pem".into());
+        cfg.tls.key_file = Some("/tls/node.key".into());
+        match cfg.validate() {
+            Err(DaemonError::Config { key, .. }) => assert_eq!(key, "tls.peer_ca_file"),
+            other => panic!("no CA for the peers: {other:?}"),
+        }
+        assert!(cfg.tls.peer().is_none());
+        cfg.tls.coordinator_ca_file = Some("/tls/ca.pem".into());
+        cfg.tls.coordinator_domain = "coord".into();
+        cfg.validate()
+            .expect("the coordinator's CA serves for the peers");
+        let p = cfg.tls.peer().expect("peer TLS");
+        assert_eq!(
+            (p.ca_file.to_str(), p.domain.as_str()),
+            (Some("/tls/ca.pem"), "coord")
+        );
+        cfg.tls.peer_ca_file = Some("/tls/peers.pem".into());
+        match cfg.validate() {
+            Err(DaemonError::Config { key, .. }) => assert_eq!(key, "tls.peer_domain"),
+            other => panic!("a peer CA without a name: {other:?}"),
+        }
+        cfg.tls.peer_domain = "nodes".into();
+        cfg.validate().expect("valid");
+        let p = cfg.tls.peer().expect("peer TLS");
+        assert_eq!(
+            (p.ca_file.to_str(), p.domain.as_str()),
+            (Some("/tls/peers.pem"), "nodes")
+        );
     }
 
     #[test]

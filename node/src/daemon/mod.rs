@@ -425,7 +425,11 @@ pub(crate) async fn run(
         region_epoch = served.epoch,
         "cache open"
     );
-    let source = Arc::new(remote_source::pool(&token, cache.page_size())?);
+    let source = Arc::new(remote_source::pool(
+        &token,
+        cache.page_size(),
+        cfg.tls.peer(),
+    )?);
     let node = Arc::new(Node::new(&cfg, node_id, cache, Some(served), Some(source)));
     for t in node.served.iter().flat_map(|s| s.descriptors()) {
         tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");

@@ -20,12 +20,20 @@ use super::ownership::PageSource;
 
 /// The daemon's pool: the transports' default settings (shm if reachable,
 /// else tcp; `FaultIn` within 2 s), `FaultIn` calls on the daemon's
-/// runtime. Must be called inside that runtime.
-pub(crate) fn pool(token: &str, page_size: usize) -> Result<OwnerPool, DaemonError> {
+/// runtime, over TLS when `tls` names the peers' CA. Must be called inside
+/// that runtime.
+pub(crate) fn pool(
+    token: &str,
+    page_size: usize,
+    tls: Option<pagewire_proto::net::ClientTls>,
+) -> Result<OwnerPool, DaemonError> {
     OwnerPool::new(
         token,
         page_size,
-        PoolConfig::default(),
+        PoolConfig {
+            tls,
+            ..PoolConfig::default()
+        },
         tokio::runtime::Handle::current(),
     )
     .map_err(|e| DaemonError::Config {
