@@ -123,7 +123,7 @@
 //!   no common cache line (`crate::slot`). [`ClusterClient::stats`] sums
 //!   the slots.
 //! * **Runs.** [`ClusterClient::read_run`] reads the pages one node answers
-//!   in batches of [`crate::pool::RUN_CHUNK`] under one doorbell each, the
+//!   in batches (up to [`crate::pool::RUN_CHUNK`] pages) under one doorbell each, the
 //!   misses among them in one `FaultIn` per stretch, each node's part with
 //!   its own retries; a run over several nodes goes node by node.
 //! * **Single flight.** Concurrent reads of the same run share one read,
@@ -589,8 +589,9 @@ impl ClusterClient {
 
     /// Reads pages `first..first + count` into `out` (at least `count *
     /// page_size` bytes: each page's valid length, zeros to the page's
-    /// end), batched: the pages of one node go in one-sided batches of
-    /// [`crate::pool::RUN_CHUNK`] under one doorbell each, the misses among
+    /// end), batched: the pages of one node go in one-sided batches (as
+    /// many as the connection's queue holds, at most
+    /// [`crate::pool::RUN_CHUNK`]) under one doorbell each, the misses among
     /// them in one `FaultIn` per stretch, or in one gRPC `Read`. Pages of
     /// different nodes are read node by node, each with its own retries.
     /// Concurrent reads of the same run in this process share one read

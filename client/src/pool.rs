@@ -8,7 +8,8 @@
 //! one-sidedly ([`crate::remote`]: over `shm` when the owner's shm file is
 //! on this host, else `verbs` where built and usable, else `tcp`), batched
 //! under one doorbell per round ([`crate::remote::RemoteReader::read_run`],
-//! [`RUN_CHUNK`] pages at a time), and puts the reader back. Pages the
+//! as many pages as the connection's queue holds, at most [`RUN_CHUNK`]),
+//! and puts the reader back. Pages the
 //! owner's index does not show (or that keep moving) are faulted in on the
 //! owner with one gRPC `FaultIn` per contiguous stretch of them; its reply
 //! carries the bytes and the frames' locations, so the next read of them
@@ -53,10 +54,11 @@ use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::MapNode;
 use pagewire_rdma::tcp::ConnectionConfig;
 
-/// Pages read one-sidedly per batch: a warm batch is `2 * RUN_CHUNK` READs
-/// (header and frame each) under one doorbell, within every transport's
-/// queue (verbs: 32 outstanding per queue pair).
-pub const RUN_CHUNK: usize = 16;
+/// The most pages read one-sidedly per batch (one doorbell): a warm batch
+/// is two READs per page (header and frame). Each reader batches as many
+/// as its connection's queue holds, up to this: `shm` and `tcp` 256 pages,
+/// `verbs` 16 (32 outstanding per queue pair, shared by the process).
+pub const RUN_CHUNK: usize = 256;
 
 /// Settings of an [`OwnerPool`].
 #[derive(Clone, Debug)]
@@ -517,9 +519,10 @@ impl OwnerPool {
         let mut pages = Vec::with_capacity(count);
         let counters = &slot.counters;
         counters.pages.fetch_add(count as u64, Ordering::Relaxed);
+        let chunk = o.reader.batch_pages().min(RUN_CHUNK);
         let mut done = 0usize;
         while done < count {
-            let n = (count - done).min(RUN_CHUNK);
+            let n = (count - done).min(chunk);
             let at = first + done as u64;
             let buf = &mut out[done * ps..(done + n) * ps];
             let outcomes = if n == 1 {

@@ -243,6 +243,13 @@ impl<C: Connection> RemoteReader<C> {
         })
     }
 
+    /// The most pages one [`RemoteReader::read_run`] batch should hold:
+    /// a warm batch is two READs per page (header and frame) under one
+    /// doorbell, which must fit the connection's queue (at most 256).
+    pub fn batch_pages(&self) -> usize {
+        (self.conn.limits().max_outstanding / 2).clamp(1, 256)
+    }
+
     /// The owner's superblock as read at connect.
     pub fn superblock(&self) -> &Superblock {
         &self.sb

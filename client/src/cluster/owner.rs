@@ -107,6 +107,10 @@ impl Reader {
         each!(self, r => r.read_run(first, n, out))
     }
 
+    pub(crate) fn batch_pages(&self) -> usize {
+        each!(self, r => r.batch_pages())
+    }
+
     pub(crate) fn learn(&mut self, page: u64, frame: u32, generation: u64) {
         each!(self, r => r.learn(page, frame, generation));
     }
