@@ -12,6 +12,7 @@ mod insert;
 mod local;
 mod machine;
 mod mapscale;
+mod mount;
 mod nemesis;
 mod plot;
 mod policy;
@@ -69,6 +70,9 @@ enum Cmd {
     /// watchers on WatchMap (compact); map and delta bytes, join-to-applied
     /// time, coordinator CPU per heartbeat, beside the old expanded map.
     Mapscale(mapscale::Args),
+    /// fio through `pagewire-mount` over shm and tcp, beside the local
+    /// page cache and a do-nothing FUSE file system, every read verified.
+    Mount(mount::Args),
     /// Write a self-describing backing file (kept when one of that size is
     /// already there).
     Genfile(genfile::Args),
@@ -150,6 +154,7 @@ fn bench() -> anyhow::Result<()> {
         Cmd::Storm(a) => storm::run(&a),
         Cmd::Demo(a) => storm::demo(&a),
         Cmd::Mapscale(a) => mapscale::run(&a),
+        Cmd::Mount(a) => mount::run(&a),
         Cmd::Nemesis(a) => nemesis::run(&a),
         Cmd::NemesisWorker(a) => nemesis::worker::run(&a),
         Cmd::StormReader(a) => storm::reader::run(&a),

@@ -1,0 +1,978 @@
+//! `pagewire-bench mount`: fio through `pagewire-mount`, side by side with
+//! its floors, in one run.
+//!
+//! * Paths (`--paths`): the mount over `shm` and over `tcp` (two
+//!   `pagewire-mount` processes on one loopback cluster: a coordinator and
+//!   three nodes whose caches hold the whole file), the same backing file
+//!   read directly (`local`: the kernel page cache, the floor of any file
+//!   read), and a do-nothing FUSE file system answering zeros from memory
+//!   ([`zerofs`]: the floor of any FUSE file system here). `shm-noverify`
+//!   and `local-noverify` are the same reads without fio's verification,
+//!   so its cost shows beside them.
+//! * Jobs: 4 KiB random reads and 1 MiB sequential reads at queue depth 1
+//!   and 16, fio's `psync` engine; depth 16 is 16 jobs ([`fio`]).
+//! * Verification: the backing file is written by fio with a crc32c verify
+//!   header in every 4 KiB block; every measured job on the mounts and the
+//!   local file verifies every block it reads, inside the timed job. Before
+//!   anything is measured, the whole file is also read once through each
+//!   mount (warming the nodes' caches' readers, the mounts' clients and
+//!   their index caches) and compared byte for byte with the backing file.
+//! * Each cell is measured `--runs` times for `--seconds`, the repeats
+//!   interleaved across cells; the table shows medians, wrong reads are
+//!   summed. CPU of fio (its rusage), of the FUSE server (`pagewire-mount`'s
+//!   or this process's, from `/proc/PID/stat`) and of the three nodes,
+//!   in cores over each measurement.
+//! * Every mount is unmounted at the end, on error too ([`PwMount`] and
+//!   [`zerofs::ZeroMount`] guards; `fusermount3 -u -z` as the last resort).
+
+mod fio;
+mod zerofs;
+
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+
+use crate::remote::owner::process_cpu_us;
+use crate::report::{self, median};
+use crate::storm::procs::{self, ClusterSpec, Hosts, Programs};
+use fio::{Job, Measured, Pattern};
+
+const TOKEN: &str = "pagewire-bench-mount-token";
+const PAGE: u64 = 4096;
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+fn stopped() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
+
+/// Options of `pagewire-bench mount`.
+#[derive(clap::Args, Debug, Clone, Serialize)]
+pub struct Args {
+    /// CI smoke run: one run of 1 s per cell over a 16 MiB file.
+    #[arg(long)]
+    pub quick: bool,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Measurements per cell (the table shows medians).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// The file's size, MiB (a multiple of 16: 16 jobs each read a slice).
+    #[arg(long, default_value_t = 256)]
+    pub file_mib: u64,
+    /// Paths, comma-separated: shm, tcp (through pagewire-mount), local
+    /// (the backing file), zero (the do-nothing FUSE file system),
+    /// shm-noverify, local-noverify (without fio's verification).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "shm,tcp,local,zero,shm-noverify,local-noverify"
+    )]
+    pub paths: Vec<String>,
+    /// pagewire-mount's --workers.
+    #[arg(long, default_value_t = 16)]
+    pub workers: u32,
+    /// Folder holding pagewire-mount, pagewire-node and
+    /// pagewire-coordinator (default: this executable's folder; the nodes
+    /// and coordinator fall back to this executable's hidden commands).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+    /// Where the file, the logs and the mount points go (kept); default: a
+    /// temporary folder, removed at the end.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// The fio binary.
+    #[arg(long, default_value = "fio")]
+    pub fio: String,
+    #[command(flatten)]
+    #[serde(skip)]
+    pub output: report::Output,
+}
+
+/// Where a cell reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    Shm,
+    Tcp,
+    Local,
+    Zero,
+    ShmNoVerify,
+    LocalNoVerify,
+}
+
+impl Via {
+    const ALL: [Via; 6] = [
+        Via::Shm,
+        Via::Tcp,
+        Via::Local,
+        Via::Zero,
+        Via::ShmNoVerify,
+        Via::LocalNoVerify,
+    ];
+
+    fn key(self) -> &'static str {
+        match self {
+            Via::Shm => "shm",
+            Via::Tcp => "tcp",
+            Via::Local => "local",
+            Via::Zero => "zero",
+            Via::ShmNoVerify => "shm-noverify",
+            Via::LocalNoVerify => "local-noverify",
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            Via::Shm | Via::Tcp | Via::ShmNoVerify => "mount",
+            Via::Local | Via::LocalNoVerify => "local",
+            Via::Zero => "zero-fuse",
+        }
+    }
+
+    fn transport(self) -> &'static str {
+        match self {
+            Via::Shm | Via::ShmNoVerify => "shm",
+            Via::Tcp => "tcp",
+            Via::Local | Via::LocalNoVerify => "page cache",
+            Via::Zero => "-",
+        }
+    }
+
+    fn verify(self) -> bool {
+        matches!(self, Via::Shm | Via::Tcp | Via::Local)
+    }
+}
+
+/// One measurement of a cell.
+#[derive(Clone, Debug, Serialize)]
+struct Sample {
+    #[serde(flatten)]
+    fio: Measured,
+    wall_s: f64,
+    /// fio's CPU (its processes' rusage), cores.
+    fio_cores: f64,
+    /// The FUSE server's CPU, cores (none for `local`).
+    fuse_cores: Option<f64>,
+    /// The three nodes' CPU, cores (mount rows).
+    node_cores: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Row {
+    path: &'static str,
+    transport: &'static str,
+    job: String,
+    verified: bool,
+    iops: f64,
+    mib_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+    /// Reads that failed verification, over every run (`None`: not verified).
+    wrong_reads: Option<u64>,
+    fio_cores: f64,
+    fuse_cores: Option<f64>,
+    node_cores: Option<f64>,
+    runs: Vec<Sample>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Target {
+    target: String,
+    detail: String,
+    /// `None`: a path it needs was not measured.
+    met: Option<bool>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct WarmPass {
+    path: String,
+    bytes: u64,
+    seconds: f64,
+    /// Bytes that differ from the backing file.
+    wrong_bytes: u64,
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::Relaxed));
+    let r = run_inner(a);
+    if stopped() {
+        eprintln!("mount: interrupted; every mount is unmounted and every process stopped");
+        std::process::exit(130);
+    }
+    r
+}
+
+fn run_inner(a: &Args) -> anyhow::Result<()> {
+    let mut a = a.clone();
+    if a.quick {
+        a.runs = 1;
+        a.seconds = 1.0;
+        a.file_mib = 16;
+    }
+    if a.file_mib < 16 || !a.file_mib.is_multiple_of(16) {
+        bail!("--file-mib {}: a multiple of 16, at least 16", a.file_mib);
+    }
+    if a.runs == 0 || a.seconds.is_nan() || a.seconds <= 0.0 {
+        bail!("--runs and --seconds must be positive");
+    }
+    let vias: Vec<Via> = Via::ALL
+        .into_iter()
+        .filter(|v| a.paths.iter().any(|p| p == v.key()))
+        .collect();
+    for p in &a.paths {
+        if !Via::ALL.iter().any(|v| v.key() == p) {
+            bail!(
+                "--paths: unknown path {p:?} (shm, tcp, local, zero, shm-noverify, local-noverify)"
+            );
+        }
+    }
+    preflight(&a.fio)?;
+    let size = a.file_mib << 20;
+
+    let tmp;
+    let work = match &a.work_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            d.clone()
+        }
+        None => {
+            tmp = tempfile::Builder::new().prefix("pwbench-mount").tempdir()?;
+            tmp.path().to_owned()
+        }
+    };
+    let backing = work.join("backing");
+    let t = Instant::now();
+    run_fio(
+        &a.fio,
+        &fio::fill_args(&backing, size),
+        Duration::from_secs(600),
+    )
+    .context("writing the backing file with fio")?;
+    eprintln!(
+        "mount: backing file {} ({} MiB) written by fio with crc32c verify headers in {:.1?}",
+        backing.display(),
+        a.file_mib,
+        t.elapsed()
+    );
+
+    let mounts_needed: Vec<&'static str> = ["shm", "tcp"]
+        .into_iter()
+        .filter(|t| {
+            vias.iter()
+                .any(|v| v.path() == "mount" && v.transport() == *t)
+        })
+        .collect();
+
+    // Declared in this order so that they drop in the reverse one: the
+    // zero FS and the mounts before the cluster, the cluster before the
+    // folder.
+    let mut cluster = None;
+    let mut mounts: Vec<PwMount> = Vec::new();
+    let mut zero = None;
+    let mut warm = Vec::new();
+
+    if !mounts_needed.is_empty() {
+        let (programs, mount_bin) = programs(a.bin_dir.as_deref())?;
+        let token_file = work.join("cluster-token");
+        std::fs::write(&token_file, TOKEN)?;
+        let pages = size / PAGE;
+        let spec = ClusterSpec {
+            programs,
+            hosts: Hosts::loopback(3),
+            dir: work.clone(),
+            file: backing.clone(),
+            token_file: token_file.clone(),
+            // Each node could hold the whole file: nothing is evicted.
+            frames_per_node: pages as usize,
+            // Long: a node starved by 16 fio jobs on a small machine must
+            // not be declared dead mid-measurement.
+            lease_ms: 30_000,
+            coordinator_port: procs::free_port("127.0.0.1")?,
+            shm: true,
+            verbs: false,
+            node_ports: Vec::new(),
+            standby_ports: Vec::new(),
+            store: None,
+            coordinator_args: Vec::new(),
+        };
+        let t = Instant::now();
+        let c = procs::Cluster::start(spec, TOKEN, &stopped)?;
+        let warmed = procs::warm(&c.spec.coordinator_addr(), TOKEN, size)?;
+        eprintln!(
+            "mount: cluster of 3 nodes up, {warmed} pages faulted in, in {:.1?}",
+            t.elapsed()
+        );
+        for transport in &mounts_needed {
+            let dir = work.join(format!("mnt-{transport}"));
+            std::fs::create_dir_all(&dir)?;
+            let m = PwMount::start(
+                &mount_bin,
+                &c.spec.coordinator_addr(),
+                &token_file,
+                transport,
+                a.workers,
+                &dir,
+                &work.join(format!("mount-{transport}.log")),
+                size,
+            )?;
+            mounts.push(m);
+        }
+        cluster = Some(c);
+    }
+    if vias.contains(&Via::Zero) {
+        let dir = work.join("mnt-zero");
+        std::fs::create_dir_all(&dir)?;
+        zero = Some(zerofs::ZeroMount::start(&dir, size)?);
+    }
+    // The backing file into the page cache, then every mount read whole
+    // once and compared with it.
+    read_compare(&backing, &backing, "local")?;
+    for m in &mounts {
+        warm.push(read_compare(
+            &m.file(),
+            &backing,
+            &format!("mount {}", m.transport),
+        )?);
+    }
+    for w in &warm {
+        eprintln!(
+            "mount: warm pass {}: {} MiB in {:.2} s, {} wrong bytes",
+            w.path,
+            w.bytes >> 20,
+            w.seconds,
+            w.wrong_bytes
+        );
+    }
+
+    let node_pids: Vec<u32> = cluster
+        .as_ref()
+        .map(|c: &procs::Cluster| {
+            c.nodes
+                .iter()
+                .filter_map(|n| n.pid())
+                .map(|p| p as u32)
+                .collect()
+        })
+        .unwrap_or_default();
+    let cells: Vec<(Job, Via)> = Job::ALL
+        .into_iter()
+        .flat_map(|j| vias.iter().map(move |&v| (j, v)))
+        .collect();
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); cells.len()];
+    let total = cells.len() * a.runs;
+    for r in 0..a.runs {
+        for (i, &(job, via)) in cells.iter().enumerate() {
+            if stopped() {
+                bail!("interrupted");
+            }
+            let (file, fuse_pid) = match via {
+                Via::Local | Via::LocalNoVerify => (backing.clone(), None),
+                Via::Zero => (
+                    zero.as_ref().context("zero FS")?.dir.join(zerofs::NAME),
+                    Some(std::process::id()),
+                ),
+                _ => {
+                    let m = mounts
+                        .iter()
+                        .find(|m| m.transport == via.transport())
+                        .context("mount")?;
+                    (m.file(), Some(m.child.id()))
+                }
+            };
+            let nodes = if via.path() == "mount" {
+                &node_pids[..]
+            } else {
+                &[]
+            };
+            let s = measure(&a.fio, job, via, &file, size, a.seconds, fuse_pid, nodes)
+                .with_context(|| format!("{} {} run {}", job.name(), via.key(), r + 1))?;
+            eprintln!(
+                "mount: [{}/{total}] {} {}: {:.0} IOPS, {:.1} MiB/s, p50 {:.1} µs, p99 {:.1} µs{}",
+                r * cells.len() + i + 1,
+                job.name(),
+                via.key(),
+                s.fio.iops,
+                s.fio.bytes_per_sec / 1048576.0,
+                s.fio.p50_us,
+                s.fio.p99_us,
+                if via.verify() {
+                    format!(", {} wrong reads", s.fio.wrong_reads)
+                } else {
+                    String::new()
+                }
+            );
+            samples[i].push(s);
+        }
+    }
+    for m in &mut mounts {
+        m.check_alive()?;
+    }
+
+    let rows: Vec<Row> = cells
+        .iter()
+        .zip(samples)
+        .map(|(&(job, via), runs)| row(job, via, runs))
+        .collect();
+    let targets = targets(&rows, &warm);
+    let params = serde_json::json!({
+        "args": a,
+        "engine": "psync (pread); queue depth 16 = numjobs=16, each job its own 1/16 of the file; no O_DIRECT (the mounts open the file with FOPEN_DIRECT_IO themselves, the local file is read through the page cache)",
+        "verification": "crc32c header in every 4 KiB block, written by fio; verified rows check every block of every read inside the timed job (--verify=crc32c --verify_interval=4096 --continue_on_error=verify), wrong reads counted from fio's JSON and stderr; the *-noverify rows are the same reads unverified, the cost of verification",
+        "cluster": "1 coordinator + 3 nodes on loopback, frames per node = the file's pages, warmed (coordinator Warm) and read whole through each mount before measuring",
+        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, 4 FUSE threads)", a.workers),
+        "zero_fs": "fuser 0.18 in this process: same mount options and init as pagewire-mount, FOPEN_DIRECT_IO, 4 FUSE threads with cloned fds; reads answered with zeros on the FUSE thread (no worker hand-off)",
+        "fio_version": fio_version(&a.fio),
+        "fio_example": Job::ALL.iter().map(|j| format!("{} {}", a.fio, j.args(Path::new("MOUNT/data"), size, a.seconds, true).join(" "))).collect::<Vec<_>>(),
+        "warm": warm,
+        "targets": targets,
+    });
+    let json = a.output.json;
+    report::emit("mount", &a.output, &params, &rows, || table(&rows))?;
+    if !json {
+        for w in &warm {
+            println!(
+                "warm pass {}: {} MiB read whole in {:.2} s and compared with the backing file: {} wrong bytes",
+                w.path,
+                w.bytes >> 20,
+                w.seconds,
+                w.wrong_bytes
+            );
+        }
+        println!("targets (from the medians above):");
+        for t in &targets {
+            let verdict = match t.met {
+                Some(true) => "met",
+                Some(false) => "MISSED",
+                None => "not measured",
+            };
+            println!("  {verdict:>12}: {} — {}", t.target, t.detail);
+        }
+    }
+    drop(zero);
+    drop(mounts);
+    drop(cluster);
+    let wrong: u64 = rows.iter().filter_map(|r| r.wrong_reads).sum::<u64>()
+        + warm.iter().map(|w| w.wrong_bytes).sum::<u64>();
+    if wrong > 0 {
+        bail!("wrong bytes were read (see the wrong column and the warm passes)");
+    }
+    Ok(())
+}
+
+fn row(job: Job, via: Via, runs: Vec<Sample>) -> Row {
+    let med = |f: &dyn Fn(&Sample) -> f64| median(runs.iter().map(f).collect());
+    let med_opt = |f: &dyn Fn(&Sample) -> Option<f64>| {
+        let xs: Vec<f64> = runs.iter().filter_map(f).collect();
+        (!xs.is_empty()).then(|| median(xs))
+    };
+    Row {
+        path: via.path(),
+        transport: via.transport(),
+        job: job.name(),
+        verified: via.verify(),
+        iops: med(&|s| s.fio.iops),
+        mib_per_sec: med(&|s| s.fio.bytes_per_sec / 1048576.0),
+        p50_us: med(&|s| s.fio.p50_us),
+        p99_us: med(&|s| s.fio.p99_us),
+        wrong_reads: via
+            .verify()
+            .then(|| runs.iter().map(|s| s.fio.wrong_reads).sum()),
+        fio_cores: med(&|s| s.fio_cores),
+        fuse_cores: med_opt(&|s| s.fuse_cores),
+        node_cores: med_opt(&|s| s.node_cores),
+        runs,
+    }
+}
+
+fn table(rows: &[Row]) -> String {
+    let opt = |x: Option<f64>| x.map_or("-".to_owned(), |v| format!("{v:.2}"));
+    let body: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.path.to_owned(),
+                r.transport.to_owned(),
+                r.job.clone(),
+                if r.verified { "crc32c" } else { "no" }.to_owned(),
+                report::si(r.iops),
+                format!("{:.1}", r.mib_per_sec),
+                format!("{:.1}", r.p50_us),
+                format!("{:.1}", r.p99_us),
+                r.wrong_reads.map_or("n/a".to_owned(), |w| w.to_string()),
+                format!("{:.2}", r.fio_cores),
+                opt(r.fuse_cores),
+                opt(r.node_cores),
+            ]
+        })
+        .collect();
+    let mut s = report::table(
+        &[
+            "path",
+            "transport",
+            "job",
+            "verify",
+            "IOPS",
+            "MiB/s",
+            "p50 µs",
+            "p99 µs",
+            "wrong",
+            "fio cores",
+            "fuse cores",
+            "node cores",
+        ],
+        &body,
+    );
+    s += "medians; qdN = N psync jobs; p50/p99: fio's completion latency; wrong: reads that \
+          failed crc32c verification, summed over the runs (0 = 0 wrong bytes; n/a: not verified); \
+          cores: CPU time / wall time of fio, of the FUSE server (pagewire-mount, or this process \
+          for zero-fuse) and of the 3 nodes\n";
+    s
+}
+
+fn find(rows: &[Row], job: &str, path: &str, transport: &str, verified: bool) -> Option<Row> {
+    rows.iter()
+        .find(|r| {
+            r.job == job && r.path == path && r.transport == transport && r.verified == verified
+        })
+        .cloned()
+}
+
+/// The issue's targets, from the medians.
+fn targets(rows: &[Row], warm: &[WarmPass]) -> Vec<Target> {
+    let mut out = Vec::new();
+    for (pattern, limit, what) in [
+        (
+            Pattern::Rand4k,
+            1.5,
+            "4 KiB random reads over shm within 1.5x of the do-nothing FUSE floor (IOPS)",
+        ),
+        (
+            Pattern::Seq1m,
+            2.0,
+            "1 MiB sequential reads over shm within 2x of the do-nothing FUSE floor (MiB/s)",
+        ),
+    ] {
+        for job in Job::ALL.iter().filter(|j| j.pattern == pattern) {
+            let name = job.name();
+            let zero = find(rows, &name, "zero-fuse", "-", false);
+            let shm = find(rows, &name, "mount", "shm", true);
+            let raw = find(rows, &name, "mount", "shm", false);
+            let value = |r: &Row| match pattern {
+                Pattern::Rand4k => r.iops,
+                Pattern::Seq1m => r.mib_per_sec,
+            };
+            let fmt = |x: f64| match pattern {
+                Pattern::Rand4k => format!("{} IOPS", report::si(x)),
+                Pattern::Seq1m => format!("{x:.0} MiB/s"),
+            };
+            let t = match (&zero, &shm) {
+                (Some(z), Some(s)) => {
+                    let ratio = value(z) / value(s).max(f64::MIN_POSITIVE);
+                    let mut detail = format!(
+                        "{name}: zero FS {} / shm {} = {ratio:.2}x",
+                        fmt(value(z)),
+                        fmt(value(s))
+                    );
+                    if let Some(r) = &raw {
+                        detail += &format!(
+                            " (shm without fio's verification: {} = {:.2}x)",
+                            fmt(value(r)),
+                            value(z) / value(r).max(f64::MIN_POSITIVE)
+                        );
+                    }
+                    Target {
+                        target: what.to_owned(),
+                        detail,
+                        met: Some(ratio <= limit),
+                    }
+                }
+                _ => Target {
+                    target: what.to_owned(),
+                    detail: format!("{name}: needs the shm and zero paths"),
+                    met: None,
+                },
+            };
+            out.push(t);
+        }
+    }
+    let verified: Vec<&Row> = rows.iter().filter(|r| r.verified).collect();
+    let wrong: u64 = verified.iter().filter_map(|r| r.wrong_reads).sum();
+    let warm_wrong: u64 = warm.iter().map(|w| w.wrong_bytes).sum();
+    let reads: u64 = verified
+        .iter()
+        .flat_map(|r| r.runs.iter())
+        .map(|s| s.fio.reads)
+        .sum();
+    out.push(Target {
+        target: "0 wrong bytes in every fio verification".into(),
+        detail: format!(
+            "{wrong} wrong of {reads} verified reads in {} cells; warm passes: {warm_wrong} wrong bytes",
+            verified.len()
+        ),
+        met: (!verified.is_empty()).then_some(wrong == 0 && warm_wrong == 0),
+    });
+    out
+}
+
+/// fio, /dev/fuse and (unprivileged) fusermount3 are here.
+fn preflight(fio: &str) -> anyhow::Result<()> {
+    let mut missing = Vec::new();
+    if Command::new(fio)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| !s.success())
+        .unwrap_or(true)
+    {
+        missing.push(format!("{fio} (Debian package fio)"));
+    }
+    if !Path::new("/dev/fuse").exists() {
+        missing.push("/dev/fuse (the fuse kernel module, or the device in the container)".into());
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let fusermount = Command::new("fusermount3")
+        .arg("-V")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    if !root && !fusermount {
+        missing.push("fusermount3 (Debian package fuse3)".into());
+    }
+    if !missing.is_empty() {
+        bail!("pagewire-bench mount needs: {}", missing.join(", "));
+    }
+    Ok(())
+}
+
+fn fio_version(fio: &str) -> String {
+    Command::new(fio)
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// The programs of the cluster and pagewire-mount: from `bin_dir`, else
+/// beside this executable (the cluster's falling back to this
+/// executable's hidden commands).
+fn programs(bin_dir: Option<&Path>) -> anyhow::Result<(Programs, PathBuf)> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let dir = match bin_dir {
+        Some(d) => d.to_owned(),
+        None => exe.parent().context("this executable's folder")?.to_owned(),
+    };
+    let mount = dir.join("pagewire-mount");
+    if !mount.exists() {
+        bail!(
+            "{} not found: build it beside pagewire-bench (cargo build --release -p pagewire-mount \
+             -p pagewire-node -p pagewire-coordinator -p pagewire-bench) or name its folder with --bin-dir",
+            mount.display()
+        );
+    }
+    let programs = if bin_dir.is_some()
+        || (dir.join("pagewire-node").exists() && dir.join("pagewire-coordinator").exists())
+    {
+        Programs::new(Some(&dir))?
+    } else {
+        Programs::new(None)?
+    };
+    Ok((programs, mount))
+}
+
+/// Whether `dir` is a mount point now.
+fn is_mounted(dir: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let d = dir.to_string_lossy();
+    info.lines()
+        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == d))
+}
+
+/// The last resort: a lazy unmount of whatever is still mounted on `dir`.
+fn detach_if_mounted(dir: &Path) {
+    if !is_mounted(dir) {
+        return;
+    }
+    let ok = Command::new("fusermount3")
+        .args(["-u", "-z"])
+        .arg(dir)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok && let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
+        // SAFETY: umount2 with a valid NUL-terminated path; it touches no
+        // memory of ours.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+    if is_mounted(dir) {
+        eprintln!(
+            "mount: {} is still mounted: run fusermount3 -u -z on it",
+            dir.display()
+        );
+    }
+}
+
+/// Waits (at most `limit`) until `file` exists with `size` bytes; `alive`
+/// fails the wait early (the server died).
+fn wait_for_file(
+    file: &Path,
+    size: u64,
+    limit: Duration,
+    mut alive: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let start = Instant::now();
+    loop {
+        alive()?;
+        let dir = file.parent().unwrap_or(file);
+        if is_mounted(dir) && std::fs::metadata(file).is_ok_and(|m| m.len() == size) {
+            return Ok(());
+        }
+        if stopped() {
+            bail!("interrupted");
+        }
+        if start.elapsed() > limit {
+            bail!(
+                "{} did not show {size} bytes within {limit:?}",
+                file.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A `pagewire-mount` process; on drop: SIGTERM (it unmounts and exits),
+/// SIGKILL after 10 s, then a lazy unmount if the mount is still there.
+struct PwMount {
+    child: Child,
+    dir: PathBuf,
+    log: PathBuf,
+    transport: &'static str,
+}
+
+impl PwMount {
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        bin: &Path,
+        coordinator: &str,
+        token_file: &Path,
+        transport: &'static str,
+        workers: u32,
+        dir: &Path,
+        log: &Path,
+        size: u64,
+    ) -> anyhow::Result<Self> {
+        let mut c = Command::new(bin);
+        c.arg("--coordinator")
+            .arg(coordinator)
+            .arg("--token-file")
+            .arg(token_file)
+            .args(["--transport", transport])
+            .args(["--workers", &workers.to_string()])
+            .arg(dir)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log)?);
+        procs::die_with_parent(&mut c);
+        let child = c
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut m = PwMount {
+            child,
+            dir: dir.to_owned(),
+            log: log.to_owned(),
+            transport,
+        };
+        let file = m.file();
+        wait_for_file(&file, size, Duration::from_secs(60), || m.check_alive())?;
+        Ok(m)
+    }
+
+    fn file(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(st) = self.child.try_wait()? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            bail!(
+                "pagewire-mount --transport {} exited ({st}):\n{}",
+                self.transport,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PwMount {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let start = Instant::now();
+            while self.child.try_wait().ok().flatten().is_none() {
+                if start.elapsed() > Duration::from_secs(10) {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        detach_if_mounted(&self.dir);
+    }
+}
+
+/// Reads `file` whole (1 MiB reads) and compares it with `backing`.
+fn read_compare(file: &Path, backing: &Path, name: &str) -> anyhow::Result<WarmPass> {
+    let t = Instant::now();
+    let mut f = std::fs::File::open(file).with_context(|| format!("opening {}", file.display()))?;
+    let mut b = std::fs::File::open(backing)?;
+    let (mut x, mut y) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    let (mut bytes, mut wrong) = (0u64, 0u64);
+    loop {
+        let n = read_full(&mut f, &mut x).with_context(|| format!("reading {}", file.display()))?;
+        let m = read_full(&mut b, &mut y[..n.max(1)])?;
+        if n == 0 {
+            wrong += m as u64;
+            break;
+        }
+        wrong += x[..n].iter().zip(&y[..m]).filter(|(p, q)| p != q).count() as u64
+            + n.abs_diff(m) as u64;
+        bytes += n as u64;
+    }
+    Ok(WarmPass {
+        path: name.to_owned(),
+        bytes,
+        seconds: t.elapsed().as_secs_f64(),
+        wrong_bytes: wrong,
+    })
+}
+
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// CPU time of this process's reaped children, seconds.
+fn children_cpu_s() -> f64 {
+    // SAFETY: an all-zero rusage is a valid value to be overwritten.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the rusage we own.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// One measurement of `job` over `file`.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    fio_bin: &str,
+    job: Job,
+    via: Via,
+    file: &Path,
+    size: u64,
+    seconds: f64,
+    fuse_pid: Option<u32>,
+    node_pids: &[u32],
+) -> anyhow::Result<Sample> {
+    let cpu = |pid: u32| process_cpu_us(pid).unwrap_or(0.0) / 1e6;
+    let nodes = || node_pids.iter().map(|&p| cpu(p)).sum::<f64>();
+    let (fuse0, nodes0, fio0) = (fuse_pid.map(cpu), nodes(), children_cpu_s());
+    let t = Instant::now();
+    let args = job.args(file, size, seconds, via.verify());
+    let (stdout, stderr) = run_fio(fio_bin, &args, Duration::from_secs_f64(seconds + 120.0))?;
+    let wall = t.elapsed().as_secs_f64();
+    let m = fio::parse(&stdout, &stderr).with_context(|| {
+        format!(
+            "fio {}\n{}",
+            args.join(" "),
+            stderr.lines().take(20).collect::<Vec<_>>().join("\n")
+        )
+    })?;
+    Ok(Sample {
+        fio: m,
+        wall_s: wall,
+        fio_cores: (children_cpu_s() - fio0) / wall,
+        fuse_cores: fuse_pid.zip(fuse0).map(|(p, c0)| (cpu(p) - c0) / wall),
+        node_cores: (!node_pids.is_empty()).then(|| (nodes() - nodes0) / wall),
+    })
+}
+
+/// Runs fio with `args` in its own process group, killing the group after
+/// `limit` or on ^C; its stdout and stderr. Fails when fio does.
+fn run_fio(fio: &str, args: &[String], limit: Duration) -> anyhow::Result<(String, String)> {
+    let mut child = Command::new(fio)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("starting {fio}"))?;
+    let pipe = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut v);
+            }
+            String::from_utf8_lossy(&v).into_owned()
+        })
+    };
+    let out = pipe(
+        child
+            .stdout
+            .take()
+            .map(|o| Box::new(o) as Box<dyn Read + Send>),
+    );
+    let err = pipe(
+        child
+            .stderr
+            .take()
+            .map(|e| Box::new(e) as Box<dyn Read + Send>),
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break Some(st);
+        }
+        if stopped() || start.elapsed() > limit {
+            // SAFETY: kill(2) of the process group fio leads (our child).
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let (stdout, stderr) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
+    match status {
+        None if stopped() => bail!("interrupted"),
+        None => bail!("fio {} ran past {limit:?}", args.join(" ")),
+        Some(st) if !st.success() => bail!(
+            "fio {} failed ({st}):\n{}",
+            args.join(" "),
+            stderr.lines().take(20).collect::<Vec<_>>().join("\n")
+        ),
+        Some(_) => Ok((stdout, stderr)),
+    }
+}
