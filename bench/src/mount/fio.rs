@@ -268,6 +268,45 @@ mod tests {
         assert!(parse("fio: no such file\n", "").is_err());
     }
 
+    /// The bench's own fio command lines, run for real: clean on the file
+    /// fio filled, and one flipped byte caught by every verified job.
+    /// Needs fio (Debian package fio).
+    #[test]
+    fn every_verified_job_catches_one_wrong_byte() {
+        let fio = "fio";
+        let found = std::process::Command::new(fio)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        assert!(found, "this test needs fio (Debian package fio)");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("data");
+        let size = 16 << 20;
+        let limit = std::time::Duration::from_secs(60);
+        super::super::run_fio(fio, &fill_args(&f, size), limit).unwrap();
+        let run = |job: &Job, verify: bool| {
+            let (out, err) =
+                super::super::run_fio(fio, &job.args(&f, size, 0.3, verify), limit).unwrap();
+            parse(&out, &err).unwrap()
+        };
+        for job in &Job::ALL {
+            let m = run(job, true);
+            assert_eq!(m.wrong_reads, 0, "{}: {m:?}", job.name());
+            assert!(m.reads > 0 && m.iops > 0.0 && m.p50_us > 0.0, "{m:?}");
+        }
+        // In the middle of a block, past its header; in the slice of job 3
+        // of 16, and of the one job.
+        let mut bytes = std::fs::read(&f).unwrap();
+        bytes[(3 << 20) + 5 * 4096 + 2000] ^= 0x5a;
+        std::fs::write(&f, &bytes).unwrap();
+        for job in &Job::ALL {
+            let m = run(job, true);
+            assert!(m.wrong_reads > 0, "{} missed the wrong byte", job.name());
+            assert!(m.wrong_examples[0].contains("verify failed"), "{m:?}");
+            assert_eq!(run(job, false).wrong_reads, 0);
+        }
+    }
+
     #[test]
     fn queue_depth_16_is_16_jobs_over_their_own_slices() {
         let j = Job {
