@@ -568,7 +568,10 @@ impl<C: Connection> RemoteReader<C> {
     /// A validated page: remember where it is; `trips` is what the caller
     /// reports (the rounds of a batch are counted once, by `read_run`).
     fn record(&mut self, page: u64, frame: u32, generation: u64, trips: u32) -> Outcome {
-        self.locations.insert(page, (frame, generation));
+        // A warm hit finds its entry already there: no insert.
+        if self.locations.get(&page) != Some(&(frame, generation)) {
+            self.locations.insert(page, (frame, generation));
+        }
         self.stats.bytes += self.sb.layout.page_size as u64;
         Outcome::Hit {
             frame,

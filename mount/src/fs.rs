@@ -300,9 +300,15 @@ impl Filesystem for PageFs {
             what,
             Reply::Data(reply),
             Box::new(move |buf| {
-                buf.clear();
-                buf.resize(span.count * ps, 0);
-                match src.read_run(span.first, span.count, buf) {
+                // read_run writes every byte of the run (each page's valid
+                // length, zeros past it): grow the worker's buffer, never
+                // clear it (zeroing 1 MiB per read was 8% of a sequential
+                // reader's CPU).
+                let need = span.count * ps;
+                if buf.len() < need {
+                    buf.resize(need, 0);
+                }
+                match src.read_run(span.first, span.count, &mut buf[..need]) {
                     Ok(()) => Ok(Done::Data(span.skip..span.skip + span.len)),
                     Err(e) => {
                         warn!("{what}: {e}: EIO");
