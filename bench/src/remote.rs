@@ -865,16 +865,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    let from_daemon = cluster.as_ref().and_then(|c| {
-        daemon_target(
-            c,
-            if elsewhere {
-                OwnerCpu::Machine(placement.clone())
-            } else {
-                OwnerCpu::Pid(c.node_pid())
-            },
-        )
-    });
+    // Whose CPU the daemon's rows are: the owner's machine, or its process.
+    let daemon_cpu = |c: &cluster::Cluster| {
+        if elsewhere {
+            OwnerCpu::Machine(placement.clone())
+        } else {
+            OwnerCpu::Pid(c.node_pid())
+        }
+    };
+    let from_daemon = cluster
+        .as_ref()
+        .and_then(|c| daemon_target(c, daemon_cpu(c)));
     // What the daemon's Transports named, for the refusals below.
     let kinds = cluster.as_ref().map(|c| {
         c.transports
@@ -1032,11 +1033,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     transport: label,
                     index_cache: "warm",
                     owner: "pagewire-node",
-                    owner_cpu: if elsewhere {
-                        OwnerCpu::Machine(placement.clone())
-                    } else {
-                        OwnerCpu::Pid(c.node_pid())
-                    },
+                    owner_cpu: daemon_cpu(c),
                     clients: cs,
                     runs: a.run.clone(),
                 });
@@ -1076,11 +1073,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 transport: "grpc",
                 index_cache: "-",
                 owner: "pagewire-node",
-                owner_cpu: if elsewhere {
-                    OwnerCpu::Machine(placement.clone())
-                } else {
-                    OwnerCpu::Pid(c.node_pid())
-                },
+                owner_cpu: daemon_cpu(c),
                 clients: cs,
                 runs: a.run.clone(),
             });
