@@ -329,7 +329,11 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
     if vias.contains(&Via::Zero) {
         let dir = work.join("mnt-zero");
         std::fs::create_dir_all(&dir)?;
-        zero = Some(zerofs::ZeroMount::start(&dir, size)?);
+        zero = Some(zerofs::ZeroMount::start(
+            &dir,
+            size,
+            fuse_threads(a.workers),
+        )?);
     }
     // The backing file into the page cache, then every mount read whole
     // once and compared with it.
@@ -426,8 +430,8 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         "engine": "psync (pread); queue depth 16 = numjobs=16, each job its own 1/16 of the file; no O_DIRECT (the mounts open the file with FOPEN_DIRECT_IO themselves, the local file is read through the page cache)",
         "verification": "crc32c header in every 4 KiB block, written by fio; verified rows check every block of every read inside the timed job (--verify=crc32c --verify_interval=4096 --continue_on_error=verify), wrong reads counted from fio's JSON and stderr; the *-noverify rows are the same reads unverified, the cost of verification",
         "cluster": "1 coordinator + 3 nodes on loopback, frames per node = the file's pages, warmed (coordinator Warm) and read whole through each mount before measuring",
-        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, 4 FUSE threads)", a.workers),
-        "zero_fs": "fuser 0.18 in this process: same mount options and init as pagewire-mount, FOPEN_DIRECT_IO, 4 FUSE threads with cloned fds; reads answered with zeros on the FUSE thread (no worker hand-off)",
+        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, {} FUSE threads running reads themselves)", a.workers, fuse_threads(a.workers)),
+        "zero_fs": format!("fuser 0.18 in this process: same mount options and init as pagewire-mount, FOPEN_DIRECT_IO, {} FUSE threads with cloned fds (as many as the mount's); reads answered with zeros on the FUSE thread", fuse_threads(a.workers)),
         "fio_version": fio_version(&a.fio),
         "fio_example": Job::ALL.iter().map(|j| format!("{} {}", a.fio, j.args(Path::new("MOUNT/data"), size, a.seconds, true).join(" "))).collect::<Vec<_>>(),
         "warm": warm,
@@ -652,6 +656,13 @@ fn preflight(fio: &str) -> anyhow::Result<()> {
         bail!("pagewire-bench mount needs: {}", missing.join(", "));
     }
     Ok(())
+}
+
+/// The FUSE threads pagewire-mount starts for `--workers N` (N that run
+/// reads, two spare); the zero file system gets as many, so the floor is
+/// measured with the same threads.
+fn fuse_threads(workers: u32) -> usize {
+    workers as usize + 2
 }
 
 fn fio_version(fio: &str) -> String {

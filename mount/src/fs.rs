@@ -2,8 +2,9 @@
 //!
 //! Inode 1 is the directory, inode 2 the file. Directory operations and
 //! attributes are answered on the FUSE thread from what the mount knows
-//! (the file's size is fixed); reads and writes go to the workers
-//! ([`crate::deadline`]).
+//! (the file's size is fixed); reads and writes run on the FUSE thread too
+//! while a permit is free, else on the overflow workers, always under the
+//! watchdog's deadline ([`crate::deadline`]).
 
 use std::ffi::OsStr;
 use std::sync::{Arc, Mutex};
@@ -296,10 +297,9 @@ impl Filesystem for PageFs {
             offset,
             len: u64::from(size),
         };
-        self.inner.dispatch.submit(
-            what,
-            Reply::Data(reply),
-            Box::new(move |buf| {
+        self.inner
+            .dispatch
+            .run(what, Reply::Data(reply), move |buf: &mut Vec<u8>| {
                 // read_run writes every byte of the run (each page's valid
                 // length, zeros past it): grow the worker's buffer, never
                 // clear it (zeroing 1 MiB per read was 8% of a sequential
@@ -315,8 +315,7 @@ impl Filesystem for PageFs {
                         Err(Errno::EIO)
                     }
                 }
-            }),
-        );
+            });
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -343,14 +342,14 @@ impl Filesystem for PageFs {
         }
         let inner = self.inner.clone();
         let data = data.to_vec();
-        self.inner.dispatch.submit(
+        self.inner.dispatch.run(
             What {
                 op: "write",
                 offset,
                 len: data.len() as u64,
             },
             Reply::Write(reply),
-            Box::new(move |buf| inner.write(offset, &data, buf)),
+            move |buf: &mut Vec<u8>| inner.write(offset, &data, buf),
         );
     }
 

@@ -10,13 +10,15 @@
 //! # Request flow
 //!
 //! ```text
-//! kernel ──/dev/fuse──▶ FUSE threads (fuser, one cloned fd each)
+//! kernel ──/dev/fuse──▶ FUSE threads (fuser, one cloned fd each; workers + 2)
 //!                         │ lookup, getattr, readdir, open, statfs, flush:
 //!                         │   answered at once from what the mount knows
-//!                         │ read, write:
+//!                         │ read, write, while fewer than `workers` run:
+//!                         ├──▶ on this FUSE thread ──▶ Source ──▶ ClusterClient
+//!                         │ read, write, when `workers` already run:
 //!                         ▼
-//!                       Dispatcher queue ──▶ worker threads ──▶ Source ──▶ ClusterClient
-//!                         │                      │ reply from the worker
+//!                       overflow queue ──▶ worker threads ──▶ Source ──▶ ClusterClient
+//!                         │                      │ reply from the thread that ran it
 //!                         └── watchdog ──────────┴─ or EIO at the deadline
 //! ```
 //!
@@ -46,7 +48,7 @@
 //! `op_deadline` is the same value, so the client itself gives up by then
 //! (retrying through failover until it does), and a watchdog
 //! ([`deadline`]) answers `EIO` at the deadline for any request the client
-//! has not finished (or that is still queued behind busy workers), with a
+//! has not finished (or that is still queued for an overflow worker), with a
 //! log line naming the request. A dead or unreachable cluster is therefore
 //! an `EIO` after at most the deadline, never a hang. Requests that need
 //! no cluster (stat, readdir, open) never wait.
@@ -88,7 +90,9 @@ pub struct MountConfig {
     pub writable: bool,
     /// Every read and write is answered within this (EIO after it).
     pub deadline: Duration,
-    /// Threads that run cluster reads and writes at once.
+    /// Reads and writes that run on FUSE threads at once (the mount starts
+    /// this many plus [`deadline::SPARE_THREADS`] FUSE threads), and the
+    /// number of overflow workers for requests beyond them.
     pub workers: usize,
 }
 

@@ -12,6 +12,7 @@ use anyhow::Context;
 use clap::Parser;
 use fuser::{MountOption, Session};
 use pagewire_client::{ClientConfig, ClusterClient, FollowerConfig, MapFollower, TransportChoice};
+use pagewire_mount::deadline::SPARE_THREADS;
 use pagewire_mount::{Consistency, MAX_READ, MountConfig, PageFs, Source, fs::FILE, mountpoint};
 use pagewire_proto::net::ClientTls;
 use tracing::{error, info, warn};
@@ -49,7 +50,8 @@ struct Args {
     /// The file's name in the mounted directory.
     #[arg(long, default_value = "data")]
     name: String,
-    /// Threads that read and write the cluster at once.
+    /// Reads and writes that run at once on FUSE threads (the mount starts
+    /// two more FUSE threads, and as many overflow workers).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
     workers: u32,
     /// The directory to mount on.
@@ -146,9 +148,9 @@ fn run(args: Args) -> anyhow::Result<()> {
     options.dedup();
     let mut config = fuser::Config::default();
     config.mount_options = options;
-    // Threads that take requests from the kernel; reads and writes go on
-    // to the workers at once, so a few are enough.
-    config.n_threads = Some(4);
+    // Threads that take requests from the kernel: up to `workers` of them
+    // run reads and writes themselves, the spare ones answer the rest.
+    config.n_threads = Some(args.workers as usize + SPARE_THREADS);
     config.clone_fd = true;
     let mut session =
         Session::new(fs, &mp, &config).with_context(|| format!("mounting on {}", mp.display()))?;

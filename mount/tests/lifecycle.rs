@@ -18,7 +18,13 @@ fn a_dead_cluster_is_eio_within_the_deadline_and_sigterm_still_unmounts() {
     let t0 = Instant::now();
     let mut cluster = Cluster::pattern(3, FILE_LEN);
     let deadline = Duration::from_millis(1500);
-    let mut m = Mount::start(&cluster, "mnt", &["--deadline-ms", "1500"]);
+    // Two reads at a time on FUSE threads, two overflow workers: the
+    // concurrent reads below fill both and queue more.
+    let mut m = Mount::start(
+        &cluster,
+        "mnt",
+        &["--deadline-ms", "1500", "--workers", "2"],
+    );
     let want = std::fs::read(cluster.backing()).unwrap();
     let f = std::fs::File::open(m.file()).expect("open");
     let mut buf = vec![0u8; PS];
@@ -30,6 +36,48 @@ fn a_dead_cluster_is_eio_within_the_deadline_and_sigterm_still_unmounts() {
     // Until the map's trust window closes (less than a lease) a one-sided
     // read of a dead node's shm region may still return its (right) bytes.
     std::thread::sleep(Duration::from_millis(cluster.lease_ms + 200));
+
+    // Six reads at once: two run on FUSE threads, two on the overflow
+    // workers, two wait in the queue. Each is EIO within the deadline, and
+    // the spare FUSE threads answer a stat meanwhile at once.
+    let reads: Vec<_> = (0..6u64)
+        .map(|k| {
+            let f = f.try_clone().expect("dup");
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; PS];
+                let t = Instant::now();
+                let r = f.read_exact_at(&mut buf, (100 + 50 * k) * PS as u64);
+                (r.map_err(|e| e.raw_os_error()), t.elapsed())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // A directory listing is never cached by the kernel here (attributes
+    // may be, for a second): it reaches the mount's threads.
+    let t = Instant::now();
+    let names: Vec<_> = std::fs::read_dir(m.file().parent().expect("the mount"))
+        .expect("opendir")
+        .map(|e| e.expect("readdir").file_name())
+        .collect();
+    let stat = t.elapsed();
+    assert_eq!(names, [std::ffi::OsString::from("data")]);
+    assert!(
+        stat < Duration::from_millis(500),
+        "listing the mount took {stat:?} while six reads waited on the dead cluster"
+    );
+    for r in reads {
+        let (r, took) = r.join().expect("reader");
+        assert_eq!(
+            r,
+            Err(Some(libc::EIO)),
+            "a concurrent read of a dead cluster"
+        );
+        assert!(
+            took < deadline + Duration::from_secs(2),
+            "concurrent read: EIO after {took:?}, deadline {deadline:?}"
+        );
+    }
+    eprintln!("MEASURE ls while six reads waited on the dead cluster: {stat:?}");
 
     for page in [7u64, 300, 1023] {
         let t = Instant::now();

@@ -165,9 +165,9 @@ pub struct ZeroMount {
 }
 
 impl ZeroMount {
-    /// Mounts a file of `size` bytes as `dir/data` and waits until it
-    /// shows that size.
-    pub fn start(dir: &Path, size: u64) -> anyhow::Result<Self> {
+    /// Mounts a file of `size` bytes as `dir/data`, served by `threads`
+    /// FUSE threads, and waits until it shows that size.
+    pub fn start(dir: &Path, size: u64, threads: usize) -> anyhow::Result<Self> {
         let mut config = fuser::Config::default();
         config.mount_options = vec![
             MountOption::FSName("pwbench-zero".into()),
@@ -177,7 +177,7 @@ impl ZeroMount {
             MountOption::CUSTOM(format!("max_read={MAX_READ}")),
             MountOption::RO,
         ];
-        config.n_threads = Some(4);
+        config.n_threads = Some(threads.max(1));
         config.clone_fd = true;
         let session = Session::new(ZeroFs::new(size), dir, &config)
             .with_context(|| format!("mounting the zero file system on {}", dir.display()))?;
