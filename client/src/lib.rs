@@ -114,6 +114,7 @@
 
 pub mod clock;
 pub mod cluster;
+mod locations;
 pub mod pool;
 pub mod remote;
 mod slot;

@@ -39,11 +39,11 @@
 //! unknown key): [`RemoteError::Stale`], and the caller refetches the
 //! descriptor.
 
+use crate::locations::Locations;
 use pagewire_layout::{IndexCode, LINE, RawBucket, RawHeader, SUPERBLOCK_HEAD, Superblock};
 use pagewire_rdma::{
     AccessFault, Connection, PostError, ReadError as WireError, ReadRequest, RegionDescriptor,
 };
-use std::collections::HashMap;
 use std::time::Duration;
 
 /// How a [`RemoteReader`] retries.
@@ -200,8 +200,9 @@ pub struct RemoteReader<C: Connection> {
     desc: RegionDescriptor,
     sb: Superblock,
     cfg: ReaderConfig,
-    /// The client-side index cache: page → (frame, generation).
-    locations: HashMap<u64, (u32, u64)>,
+    /// The client-side index cache: page → (frame, generation), bounded
+    /// ([`crate::locations`]).
+    locations: Locations,
     stats: ReaderStats,
     /// Until when the map that named this owner may be trusted (None: the
     /// caller bounds it itself, as the node daemon does with its own lease).
@@ -237,7 +238,7 @@ impl<C: Connection> RemoteReader<C> {
             desc,
             sb,
             cfg,
-            locations: HashMap::new(),
+            locations: Locations::new(sb.layout.frame_count),
             stats: ReaderStats::default(),
             trust_until: None,
         })
@@ -301,20 +302,27 @@ impl<C: Connection> RemoteReader<C> {
     /// Forget what the index cache knows of `page` (e.g. after the owner
     /// said where it faulted it in; see [`RemoteReader::learn`]).
     pub fn forget(&mut self, page: u64) {
-        self.locations.remove(&page);
+        self.locations.remove(page);
     }
 
     /// Where the index cache says `page` is: `(frame, generation)`.
     pub fn location(&self, page: u64) -> Option<(u32, u64)> {
-        self.locations.get(&page).copied()
+        self.locations.get(page)
     }
 
     /// Tell the index cache where the owner put `page` (the reply of a
     /// fault-in): the next read of it is one round trip.
     pub fn learn(&mut self, page: u64, frame: u32, generation: u64) {
         if (frame as usize) < self.sb.layout.frame_count {
-            self.locations.insert(page, (frame, generation));
+            self.locations.insert(page, frame, generation);
         }
+    }
+
+    /// Pages the index cache holds now, and the most it can hold (its
+    /// memory is bounded by the owner's frame count, whatever the file's
+    /// size).
+    pub fn index_cache(&self) -> (usize, usize) {
+        (self.locations.len(), self.locations.capacity())
     }
 
     /// Read `page` into `out` (at least `page_size` bytes; the bytes past
@@ -344,13 +352,13 @@ impl<C: Connection> RemoteReader<C> {
     /// [`RemoteReader::read_page`] after its checks, not counted in `reads`.
     fn read_one(&mut self, page: u64, out: &mut [u8]) -> Result<Outcome, RemoteError> {
         let mut trips = 0u32;
-        if let Some(&(frame, _)) = self.locations.get(&page) {
+        if let Some((frame, _)) = self.locations.get(page) {
             trips += 1;
             if let Some(generation) = self.read_frame(page, frame, None, out)? {
                 self.stats.warm_hits += 1;
                 return Ok(self.hit(page, frame, generation, trips));
             }
-            self.locations.remove(&page);
+            self.locations.remove(page);
         }
         if self.sb.index != IndexCode::Lockless {
             // The region's buckets are empty: only the owner can answer.
@@ -419,8 +427,8 @@ impl<C: Connection> RemoteReader<C> {
         let known: Vec<(usize, u32, Option<u32>)> = (0..n)
             .filter_map(|i| {
                 self.locations
-                    .get(&(first + i as u64))
-                    .map(|&(f, _)| (i, f, None))
+                    .get(first + i as u64)
+                    .map(|(f, _)| (i, f, None))
             })
             .collect();
         if !known.is_empty() {
@@ -432,7 +440,7 @@ impl<C: Connection> RemoteReader<C> {
             }
             for &(i, _, _) in &known {
                 if outcomes[i].is_none() {
-                    self.locations.remove(&(first + i as u64));
+                    self.locations.remove(first + i as u64);
                 }
             }
         }
@@ -568,10 +576,7 @@ impl<C: Connection> RemoteReader<C> {
     /// A validated page: remember where it is; `trips` is what the caller
     /// reports (the rounds of a batch are counted once, by `read_run`).
     fn record(&mut self, page: u64, frame: u32, generation: u64, trips: u32) -> Outcome {
-        // A warm hit finds its entry already there: no insert.
-        if self.locations.get(&page) != Some(&(frame, generation)) {
-            self.locations.insert(page, (frame, generation));
-        }
+        self.locations.insert(page, frame, generation);
         self.stats.bytes += self.sb.layout.page_size as u64;
         Outcome::Hit {
             frame,

@@ -19,7 +19,7 @@ use common::{
     FRAMES, OwnerProcess, PAGES, PS, Tally, acked_words, create_acked, open_acked, read_loop,
     run_owner, secs, wait_for,
 };
-use pagewire_client::remote::{ReaderConfig, RemoteReader};
+use pagewire_client::remote::{Outcome, ReaderConfig, RemoteReader};
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};
@@ -149,4 +149,65 @@ fn remote_reads_across_processes() {
         tally.line()
     );
     tally.check();
+}
+
+/// A reader's index cache stays bounded by the owner's frames, however many
+/// distinct pages it reads: it once kept every page it had ever read (2,048
+/// entries here, for an owner of 64 frames), so a client streaming a large
+/// file grew without bound. Entries that replaced others still read warm,
+/// and every byte read is verified.
+#[test]
+fn a_readers_index_cache_stays_bounded_by_the_owners_frames() {
+    const SMALL: usize = 64;
+    const READ: u64 = 2048;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    pattern::generate_file(&d.join("data"), READ * PS as u64, PS).unwrap();
+    let owner = ShmOwner::create_in(d, "bounded").unwrap();
+    let region = owner
+        .register(PageCache::<Lockless>::region_len(PS, SMALL))
+        .unwrap();
+    let desc = region.descriptor();
+    let cache = PageCache::<Lockless>::open_on(
+        &d.join("data"),
+        CacheConfig {
+            frames: SMALL,
+            readahead_max: 0,
+            ..Default::default()
+        },
+        Some(Box::new(region)),
+    )
+    .unwrap();
+    cache.set_epoch(desc.epoch);
+    let conn = ShmConnection::connect(
+        "bounded",
+        ShmConfig {
+            dir: Some(d.to_owned()),
+            chaos: None,
+        },
+    )
+    .unwrap();
+    let mut reader = RemoteReader::connect(conn, desc, ReaderConfig::default()).unwrap();
+    let mut buf = vec![0u8; PS];
+    let mut hits = 0;
+    for page in 0..READ {
+        drop(cache.get(page).unwrap());
+        if let Outcome::Hit { .. } = reader.read_page(page, &mut buf).unwrap() {
+            pattern::verify(page, &buf).unwrap();
+            hits += 1;
+        }
+    }
+    assert!(hits > READ / 2, "only {hits} of {READ} reads hit");
+    let (held, capacity) = reader.index_cache();
+    assert!(
+        held <= capacity && capacity <= SMALL,
+        "the index cache holds {held} pages (capacity {capacity}) for an owner of {SMALL} frames"
+    );
+    // The last page read is still known: its next read is one round trip.
+    let last = READ - 1;
+    match reader.read_page(last, &mut buf).unwrap() {
+        Outcome::Hit { round_trips, .. } => assert_eq!(round_trips, 1),
+        o => panic!("page {last}, just read, is now {o:?}"),
+    }
+    pattern::verify(last, &buf).unwrap();
 }
