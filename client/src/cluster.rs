@@ -387,6 +387,28 @@ enum Step {
     Fatal(ClientError),
 }
 
+impl Step {
+    /// What to do about a node's own refusal (`code`, from
+    /// [`owner::refusal`]) of a call for `page`: `FailedPrecondition` (not
+    /// the owner, map moved on) refreshes the map; `Unavailable`,
+    /// `ResourceExhausted` and `Aborted` (fenced, moving, no frame, lease
+    /// expired) back off and retry; anything else (a bad token, a page past
+    /// the end) is final.
+    fn of_refusal(code: tonic::Code, why: String, node: &str, page: u64, message: &str) -> Self {
+        use tonic::Code;
+        match code {
+            Code::FailedPrecondition => Step::Refresh(why),
+            Code::Unavailable | Code::ResourceExhausted | Code::Aborted => Step::Backoff(why),
+            code => Step::Fatal(ClientError::Rejected {
+                node: node.to_owned(),
+                page,
+                code,
+                message: message.to_owned(),
+            }),
+        }
+    }
+}
+
 /// The node of `index` in `map`, or a reason to refresh.
 fn node_of(map: &OwnershipMap, index: u32, page: u64) -> Result<&MapNode, Step> {
     map.nodes.iter().find(|n| n.index == index).ok_or_else(|| {
@@ -933,18 +955,7 @@ impl ClusterClient {
                     ref node,
                     page,
                     ref reason,
-                } => match code {
-                    tonic::Code::FailedPrecondition => Step::Refresh(e.to_string()),
-                    tonic::Code::Unavailable
-                    | tonic::Code::ResourceExhausted
-                    | tonic::Code::Aborted => Step::Backoff(e.to_string()),
-                    code => Step::Fatal(ClientError::Rejected {
-                        node: node.clone(),
-                        page,
-                        code,
-                        message: reason.clone(),
-                    }),
-                },
+                } => Step::of_refusal(code, e.to_string(), node, page, reason),
                 e => Step::Backoff(e.to_string()),
             }),
         }
@@ -1047,33 +1058,21 @@ impl ClusterClient {
         {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(s)) => {
-                use tonic::Code;
                 let why = format!("node {}: {:?}: {}", node.node_id, s.code(), s.message());
-                match s.code() {
-                    Code::FailedPrecondition => Err(Step::Refresh(why)),
-                    // The node's own refusals (moving, fenced, lease expired,
-                    // no frame): the connection is fine.
-                    Code::Unavailable | Code::ResourceExhausted | Code::Aborted
-                        if std::error::Error::source(&s).is_none() =>
-                    {
-                        Err(Step::Backoff(why))
-                    }
-                    Code::Unavailable
-                    | Code::ResourceExhausted
-                    | Code::Aborted
-                    | Code::DeadlineExceeded
-                    | Code::Cancelled
-                    | Code::Unknown
-                    | Code::Internal => {
+                match owner::refusal(&s) {
+                    // The node's own refusal (moving, fenced, lease
+                    // expired, no frame, ...): the channel is fine.
+                    Some(code) => Err(Step::of_refusal(
+                        code,
+                        why,
+                        &node.node_id,
+                        page,
+                        s.message(),
+                    )),
+                    None => {
                         lock(&self.channels).remove(addr);
                         Err(Step::Backoff(why))
                     }
-                    code => Err(Step::Fatal(ClientError::Rejected {
-                        node: node.node_id.clone(),
-                        page,
-                        code,
-                        message: s.message().to_owned(),
-                    })),
                 }
             }
             Err(_) => {

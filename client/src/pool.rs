@@ -461,21 +461,9 @@ impl OwnerPool {
                 owner::fault_in(&mut client, first, count, map_epoch)
                     .await
                     .map_err(|s| {
-                        // A status with a source is the transport's; one
-                        // without is the owner's answer (Internal and
-                        // Unknown: a malformed reply, treated as lost).
-                        let code = s.code();
-                        let answered = std::error::Error::source(&s).is_none()
-                            && !matches!(
-                                code,
-                                tonic::Code::Internal
-                                    | tonic::Code::Unknown
-                                    | tonic::Code::Cancelled
-                                    | tonic::Code::DeadlineExceeded
-                            );
                         (
-                            answered.then_some(code),
-                            format!("{code:?}: {}", s.message()),
+                            owner::refusal(&s),
+                            format!("{:?}: {}", s.code(), s.message()),
                         )
                     })
             };

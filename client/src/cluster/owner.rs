@@ -309,6 +309,23 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The node's own refusal in a gRPC status, or `None` when the call was
+/// lost: a status with a source comes from the transport, and `Internal`,
+/// `Unknown`, `Cancelled` and `DeadlineExceeded` mean a malformed reply or
+/// no reply. After a lost call the channel may be broken (callers drop it);
+/// after a refusal it is fine. The one place the client tells the two
+/// apart, for `FaultIn` (the owner pool) and for `Read` and `Write` (the
+/// cluster client) alike.
+pub(crate) fn refusal(s: &tonic::Status) -> Option<tonic::Code> {
+    use tonic::Code;
+    let lost = std::error::Error::source(s).is_some()
+        || matches!(
+            s.code(),
+            Code::Internal | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
+        );
+    (!lost).then_some(s.code())
+}
+
 /// What a fault-in on the owner returned for a run of pages.
 pub(crate) struct Faulted {
     /// The pages' bytes (each page's valid length), concatenated.
@@ -508,6 +525,33 @@ pub(crate) mod verbs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_is_a_refusal_only_when_the_node_itself_answered() {
+        use tonic::{Code, Status};
+        for code in [
+            Code::FailedPrecondition,
+            Code::Unavailable,
+            Code::ResourceExhausted,
+            Code::Aborted,
+            Code::PermissionDenied,
+            Code::OutOfRange,
+        ] {
+            assert_eq!(refusal(&Status::new(code, "no")), Some(code), "{code:?}");
+        }
+        for code in [
+            Code::Internal,
+            Code::Unknown,
+            Code::Cancelled,
+            Code::DeadlineExceeded,
+        ] {
+            assert_eq!(refusal(&Status::new(code, "lost")), None, "{code:?}");
+        }
+        // From the transport (it carries its cause): lost, whatever the code.
+        let mut s = Status::unavailable("connection reset");
+        s.set_source(std::sync::Arc::new(std::io::Error::other("reset")));
+        assert_eq!(refusal(&s), None);
+    }
 
     fn owner_with(kinds: &[&str]) -> MapNode {
         MapNode {
