@@ -330,14 +330,17 @@ pub const fn val_gen32(val: u64) -> u32 {
     (val >> 32) as u32
 }
 
-/// The frame checksum: xxh3-64 over (page, generation, len) and the frame bytes.
+/// The frame checksum: xxh3-64, seed 0, over (page, generation, len) and
+/// the frame bytes (the module docs; any XXH3-64 implementation gives the
+/// same value, which the tests check against a second one).
 pub fn checksum(page: u64, generation: u64, len: u32, frame: &[u8]) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    h.update(&page.to_le_bytes());
-    h.update(&generation.to_le_bytes());
-    h.update(&(len as u64).to_le_bytes());
-    h.update(frame);
-    h.digest()
+    use std::hash::Hasher;
+    let mut h = twox_hash::XxHash3_64::with_seed(0);
+    h.write(&page.to_le_bytes());
+    h.write(&generation.to_le_bytes());
+    h.write(&(len as u64).to_le_bytes());
+    h.write(frame);
+    h.finish()
 }
 
 /// The byte offsets of one region's parts, derived from its sizes.
@@ -550,6 +553,35 @@ mod tests {
         assert_eq!(ctrl::next(c), Some(41));
         assert_eq!(c & 0xFFFF_FFFF, ctrl::LOCKED | 6);
         assert_eq!(ctrl::next(ctrl::with_next(c, None)), None);
+    }
+
+    /// The checksum is XXH3-64 of the 24-byte prefix and the frame, as a
+    /// second implementation (xxhash-rust, the one this crate used before)
+    /// computes it over the concatenation: every length a frame can have
+    /// around the algorithm's size classes and a full page.
+    #[test]
+    fn the_checksum_is_xxh3_of_the_prefix_and_the_frame() {
+        let bytes: Vec<u8> = (0..70_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for len in (0..=300).chain([1023, 1024, 1025, 4095, 4096, 16384, 65536]) {
+            let (page, generation) = (len as u64 * 31 + 7, (len as u64) << 1 | 1);
+            let frame = &bytes[len % 97..][..len];
+            let mut whole = Vec::with_capacity(24 + len);
+            whole.extend_from_slice(&page.to_le_bytes());
+            whole.extend_from_slice(&generation.to_le_bytes());
+            whole.extend_from_slice(&(len as u64).to_le_bytes());
+            whole.extend_from_slice(frame);
+            assert_eq!(
+                checksum(page, generation, len as u32, frame),
+                xxhash_rust::xxh3::xxh3_64(&whole),
+                "len {len}"
+            );
+        }
+        // Fixed vectors: the values a reader of any version must compute.
+        assert_eq!(checksum(0, 1, 0, &[]), 0xb7ae_726b_74ed_6f2e);
+        let frame: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect();
+        assert_eq!(checksum(5, 3, 4096, &frame), 0x5bf1_9e6f_a9ff_33f8);
     }
 
     #[test]
