@@ -507,7 +507,7 @@ impl OwnerPool {
         let mut pages = Vec::with_capacity(count);
         let counters = &slot.counters;
         counters.pages.fetch_add(count as u64, Ordering::Relaxed);
-        let chunk = o.reader.batch_pages().min(RUN_CHUNK);
+        let chunk = o.reader.batch_pages();
         let mut done = 0usize;
         while done < count {
             let n = (count - done).min(chunk);

@@ -246,9 +246,10 @@ impl<C: Connection> RemoteReader<C> {
 
     /// The most pages one [`RemoteReader::read_run`] batch should hold:
     /// a warm batch is two READs per page (header and frame) under one
-    /// doorbell, which must fit the connection's queue (at most 256).
+    /// doorbell, which must fit the connection's queue (at most
+    /// [`crate::pool::RUN_CHUNK`]).
     pub fn batch_pages(&self) -> usize {
-        (self.conn.limits().max_outstanding / 2).clamp(1, 256)
+        (self.conn.limits().max_outstanding / 2).clamp(1, crate::pool::RUN_CHUNK)
     }
 
     /// The owner's superblock as read at connect.

@@ -301,7 +301,7 @@ impl Filesystem for PageFs {
             .dispatch
             .run(what, Reply::Data(reply), move |buf: &mut Vec<u8>| {
                 // read_run writes every byte of the run (each page's valid
-                // length, zeros past it): grow the worker's buffer, never
+                // length, zeros past it): grow the thread's buffer, never
                 // clear it (zeroing 1 MiB per read was 8% of a sequential
                 // reader's CPU).
                 let need = span.count * ps;

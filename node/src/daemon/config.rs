@@ -118,19 +118,14 @@ pub(crate) struct TlsSection {
 impl TlsSection {
     /// How this node checks its peers' gRPC servers (None: plain text).
     pub(crate) fn peer(&self) -> Option<pagewire_proto::net::ClientTls> {
-        match &self.peer_ca_file {
-            Some(ca) => Some(pagewire_proto::net::ClientTls {
-                ca_file: ca.clone(),
-                domain: self.peer_domain.clone(),
-            }),
-            None => self
-                .coordinator_ca_file
-                .as_ref()
-                .map(|ca| pagewire_proto::net::ClientTls {
-                    ca_file: ca.clone(),
-                    domain: self.coordinator_domain.clone(),
-                }),
-        }
+        let (ca, domain) = match &self.peer_ca_file {
+            Some(ca) => (ca, &self.peer_domain),
+            None => (self.coordinator_ca_file.as_ref()?, &self.coordinator_domain),
+        };
+        Some(pagewire_proto::net::ClientTls {
+            ca_file: ca.clone(),
+            domain: domain.clone(),
+        })
     }
 }
 
