@@ -332,10 +332,14 @@ pub const fn val_gen32(val: u64) -> u32 {
 
 /// The frame checksum: xxh3-64, seed 0, over (page, generation, len) and
 /// the frame bytes (the module docs; any XXH3-64 implementation gives the
-/// same value, which the tests check against a second one).
+/// same value, which the tests check against a second one). The hasher
+/// borrows XXH3's built-in secret (seed 0) instead of allocating a copy:
+/// `XxHash3_64::with_seed` boxed one per frame, a malloc and a free on
+/// every page a reader validates.
 pub fn checksum(page: u64, generation: u64, len: u32, frame: &[u8]) -> u64 {
     use std::hash::Hasher;
-    let mut h = twox_hash::XxHash3_64::with_seed(0);
+    use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
+    let mut h = RawHasher::new(SecretBuffer::default());
     h.write(&page.to_le_bytes());
     h.write(&generation.to_le_bytes());
     h.write(&(len as u64).to_le_bytes());
