@@ -76,6 +76,10 @@ pub struct Args {
         default_value = "shm,tcp,local,zero,shm-noverify,local-noverify"
     )]
     pub paths: Vec<String>,
+    /// Jobs, comma-separated: rand4k-qd1, rand4k-qd16, seq1m-qd1,
+    /// seq1m-qd16 (default: all four).
+    #[arg(long, value_delimiter = ',')]
+    pub jobs: Vec<String>,
     /// pagewire-mount's --workers.
     #[arg(long, default_value_t = 16)]
     pub workers: u32,
@@ -233,6 +237,15 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
             );
         }
     }
+    for j in &a.jobs {
+        if !Job::ALL.iter().any(|k| &k.name() == j) {
+            bail!("--jobs: unknown job {j:?} (rand4k-qd1, rand4k-qd16, seq1m-qd1, seq1m-qd16)");
+        }
+    }
+    let jobs: Vec<Job> = Job::ALL
+        .into_iter()
+        .filter(|j| a.jobs.is_empty() || a.jobs.contains(&j.name()))
+        .collect();
     preflight(&a.fio)?;
     let size = a.file_mib << 20;
 
@@ -365,7 +378,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
                 .collect()
         })
         .unwrap_or_default();
-    let cells: Vec<(Job, Via)> = Job::ALL
+    let cells: Vec<(Job, Via)> = jobs
         .into_iter()
         .flat_map(|j| vias.iter().map(move |&v| (j, v)))
         .collect();
