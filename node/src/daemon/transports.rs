@@ -33,14 +33,14 @@
 //! readers fall back to gRPC. Shared memory gets huge pages only where
 //! `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::PageCache;
 use pagewire_proto::v1::TransportDescriptor;
 use pagewire_rdma::shm::ShmOwner;
 use pagewire_rdma::tcp::{ResponderConfig, TcpRegion, TcpResponder};
-use pagewire_rdma::{LocalRegion, RegionDescriptor};
+use pagewire_rdma::{LocalRegion, OwnerError, RegionDescriptor};
 
 use super::{Config, DaemonError};
 
@@ -80,11 +80,83 @@ fn shm_name(node_id: &str) -> String {
     format!("node-{n}")
 }
 
+/// `e` and the errors under it, `: `-separated: the transports' errors keep
+/// the OS error as their source ("i/o error while starting the owner" alone
+/// names nothing).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(c) = at {
+        s += &format!(": {c}");
+        at = c.source();
+    }
+    s
+}
+
 fn cfg_err(key: &'static str, reason: impl std::fmt::Display) -> DaemonError {
     DaemonError::Config {
         key,
         reason: reason.to_string(),
     }
+}
+
+/// Creates the shm directory (and its parents) when it is missing; an
+/// error names it, the OS error and what to do.
+fn ensure_shm_dir(dir: &Path) -> Result<(), DaemonError> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(cfg_err(
+            "transports.shm_dir",
+            format!(
+                "{} is not a directory; point --shm-dir (transports.shm_dir) at a \
+                 directory, on a tmpfs such as /dev/shm",
+                dir.display()
+            ),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                cfg_err(
+                    "transports.shm_dir",
+                    format!(
+                        "{} does not exist and could not be created: {e}; create it, or \
+                         point --shm-dir (transports.shm_dir) at a writable directory on \
+                         a tmpfs such as /dev/shm",
+                        dir.display()
+                    ),
+                )
+            })?;
+            tracing::info!(dir = %dir.display(), "created the shm directory");
+            Ok(())
+        }
+        Err(e) => Err(cfg_err(
+            "transports.shm_dir",
+            format!(
+                "cannot use {}: {e}; point --shm-dir (transports.shm_dir) at a writable \
+                 directory on a tmpfs such as /dev/shm",
+                dir.display()
+            ),
+        )),
+    }
+}
+
+/// Why the shm owner did not start, with the fix: another node of the
+/// same id on this host, a directory this process cannot write, or
+/// another OS error.
+fn shm_owner_error(dir: &Path, name: &str, node_id: &str, e: OwnerError) -> DaemonError {
+    let dir = dir.display();
+    let reason = match e {
+        OwnerError::Io(io) if io.kind() == std::io::ErrorKind::AlreadyExists => format!(
+            "another running process serves shm owner {name:?} in {dir} ({io}): a second \
+             node with --node-id {node_id} on this host; give each node on a host its own \
+             --node-id (or its own --shm-dir)"
+        ),
+        OwnerError::Io(io) if io.kind() == std::io::ErrorKind::PermissionDenied => format!(
+            "cannot create the shm owner's files in {dir}: {io}; give the node a \
+             directory it can write (--shm-dir, transports.shm_dir)"
+        ),
+        other => format!("shm owner {name:?} in {dir}: {}", chain(&other)),
+    };
+    cfg_err("transports.shm", reason)
 }
 
 /// Open the cache on the memory the configured transports serve, and start
@@ -110,11 +182,21 @@ pub(crate) fn open(
     let mut shm = None;
     let shared: Option<Box<dyn LocalRegion>> = if t.shm {
         let name = shm_name(node_id);
-        let owner = ShmOwner::create_in_with_epoch(&t.shm_dir, &name, epoch)
-            .map_err(|e| cfg_err("transports.shm", format!("shm owner {name:?}: {e}")))?;
-        let region = owner
-            .register(len)
-            .map_err(|e| cfg_err("transports.shm", format!("shm region of {len} bytes: {e}")))?;
+        let dir = &t.shm_dir;
+        ensure_shm_dir(dir)?;
+        let owner = ShmOwner::create_in_with_epoch(dir, &name, epoch)
+            .map_err(|e| shm_owner_error(dir, &name, node_id, e))?;
+        let region = owner.register(len).map_err(|e| {
+            cfg_err(
+                "transports.shm",
+                format!(
+                    "shm region of {len} bytes in {}: {}; the directory's file system \
+                     needs room for the whole cache (a tmpfs: check its size=)",
+                    dir.display(),
+                    chain(&e)
+                ),
+            )
+        })?;
         shm = Some((owner, region.descriptor(), t.shm_dir.clone()));
         Some(Box::new(region))
     } else {
@@ -129,7 +211,7 @@ pub(crate) fn open(
         rc.epoch = Some(epoch);
         rc.spin = std::time::Duration::from_micros(t.tcp_spin_us);
         let responder = TcpResponder::bind(listen.as_str(), rc)
-            .map_err(|e| cfg_err("transports.tcp_listen", format!("{listen}: {e}")))?;
+            .map_err(|e| cfg_err("transports.tcp_listen", format!("{listen}: {}", chain(&e))))?;
         let (ptr, len) = region_of(&cache)?;
         let keep: pagewire_rdma::MemoryOwner = cache.clone();
         // SAFETY:
@@ -310,7 +392,7 @@ mod verbs {
         vc.max_queue_pairs = t.verbs_max_queue_pairs;
         let listen = listen_addr(cfg, &t.verbs_listen);
         let owner = VerbsOwner::bind(listen.as_str(), vc)
-            .map_err(|e| cfg_err("transports.verbs", format!("{listen}: {e}")))?;
+            .map_err(|e| cfg_err("transports.verbs", format!("{listen}: {}", chain(&e))))?;
         Ok((owner, choice.gid.octets()))
     }
 
@@ -332,8 +414,12 @@ mod verbs {
         //   kernel (`preadv`), or through the inline-assembly copy, and
         //   holds no `&mut` over it (see `raw::region`): the NIC may read it
         //   at any time.
-        let region = unsafe { owner.register_external(ptr, len, keep) }
-            .map_err(|e| cfg_err("transports.verbs", format!("registering {len} bytes: {e}")))?;
+        let region = unsafe { owner.register_external(ptr, len, keep) }.map_err(|e| {
+            cfg_err(
+                "transports.verbs",
+                format!("registering {len} bytes: {}", chain(&e)),
+            )
+        })?;
         let advertise = advertised(cfg, &t.verbs_advertise, owner.local_addr().port());
         tracing::info!(
             endpoint = %advertise,
