@@ -47,7 +47,7 @@ pub(crate) struct CacheSection {
 pub(crate) struct TransportsSection {
     /// Put the region in an `shm` file that readers on this host map.
     pub(crate) shm: bool,
-    /// Directory of the `shm` files (memory-backed).
+    /// Directory of the `shm` files (memory-backed), created when missing.
     pub(crate) shm_dir: PathBuf,
     /// Serve the region with the `tcp` software NIC.
     pub(crate) tcp: bool,
@@ -192,6 +192,7 @@ impl Config {
             return Ok(Self::default());
         };
         let text = std::fs::read_to_string(path).map_err(|source| DaemonError::ReadFile {
+            what: "the config file (--config, PAGEWIRE_NODE_CONFIG)",
             path: path.to_owned(),
             source,
         })?;
@@ -317,6 +318,7 @@ impl Config {
         } else if let Some(path) = &self.token_file {
             std::fs::read_to_string(path)
                 .map_err(|source| DaemonError::ReadFile {
+                    what: "the token file (--token-file, `token_file`)",
                     path: path.clone(),
                     source,
                 })?
@@ -388,6 +390,25 @@ mod tests {
         let r = coordinator_error(&many.join(",")).expect("too many");
         assert!(r.contains("17") && r.contains("at most 16"), "{r}");
         assert_eq!(coordinator_error(&many[..16].join(",")), None);
+    }
+
+    /// A file that cannot be read is named with the setting that names it.
+    #[test]
+    fn an_unreadable_token_or_config_file_names_its_setting() {
+        let cfg = Config {
+            token_file: Some("/nonexistent/pagewire-token".into()),
+            ..Config::default()
+        };
+        let e = cfg.resolve_token().unwrap_err().to_string();
+        for want in ["--token-file", "/nonexistent/pagewire-token", "os error 2"] {
+            assert!(e.contains(want), "{want:?} missing from: {e}");
+        }
+        let e = Config::load(Some(std::path::Path::new("/nonexistent/node.toml")))
+            .unwrap_err()
+            .to_string();
+        for want in ["--config", "/nonexistent/node.toml", "os error 2"] {
+            assert!(e.contains(want), "{want:?} missing from: {e}");
+        }
     }
 
     /// A node serving TLS must be able to verify its peers (whose pages it

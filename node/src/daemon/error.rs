@@ -6,8 +6,10 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub(crate) enum DaemonError {
-    #[error("cannot read {path}: {source}")]
+    /// `what` names the file's setting ("the token file (--token-file)").
+    #[error("cannot read {what} {path}: {source}")]
     ReadFile {
+        what: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
