@@ -113,7 +113,7 @@ run_cluster() { # label, extra pwctl flags
   nm=$(logged_addr "$W/node-1.log" metrics)
   [[ -n $nm ]] || nm=$("$B/pwctl" --json nodes | grep -o '"metrics_address": "[0-9.:]*"' | head -n1 | cut -d'"' -f4)
   curl -fsS "http://$nm/metrics" >"$W/node.metrics"
-  grep -q '^pagewire_node_cache_frames ' "$W/node.metrics"
+  grep -q '^pagewire_node_cache_frames{node_id="node-[0-9]"} ' "$W/node.metrics"
   echo "metrics: coordinator and node-1 answer"
 
   echo "== smoke ($label): kill -9 node-2"

@@ -323,7 +323,8 @@ pub async fn run(
         };
         server = server.tls_config(tls.config()?)?;
     }
-    let check = TokenCheck::new(&token).map_err(ConfigError::from)?;
+    let check =
+        TokenCheck::counting_into(&token, metrics.refusals.clone()).map_err(ConfigError::from)?;
     let svc = tonic::service::interceptor::InterceptedService::new(
         CoordinatorServer::new(service::CoordinatorService {
             shared: shared.clone(),

@@ -1,9 +1,13 @@
 //! The coordinator's Prometheus metrics (served as text on `/metrics`).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use pagewire_proto::auth::Refusals;
 use pagewire_proto::v1::{NodeState, OwnershipMap};
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -33,6 +37,27 @@ pub struct Metrics {
     pub(crate) store_errors: Counter,
     /// Label sets set last time, to zero the ones that went away.
     last_owned: Mutex<Vec<Labels>>,
+    /// gRPC calls the token check refused (the check counts into it).
+    pub(crate) refusals: Arc<Refusals>,
+}
+
+/// `grpc_unauthenticated{reason}`, read from the token check's counters.
+#[derive(Debug)]
+struct RefusalCollector(Arc<Refusals>);
+
+impl prometheus_client::collector::Collector for RefusalCollector {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let mut m = enc.encode_descriptor(
+            "grpc_unauthenticated",
+            "gRPC calls refused for their cluster token (reason: missing, malformed, wrong)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, v) in self.0.by_reason() {
+            ConstCounter::new(v).encode(m.encode_family(&[("reason", reason)])?)?;
+        }
+        Ok(())
+    }
 }
 
 impl Default for Metrics {
@@ -63,8 +88,10 @@ impl Metrics {
             ]),
             store_errors: Counter::default(),
             last_owned: Mutex::new(Vec::new()),
+            refusals: Arc::default(),
             registry: Registry::default(),
         };
+        registry.register_collector(Box::new(RefusalCollector(m.refusals.clone())));
         registry.register(
             "map_epoch",
             "Epoch of the current ownership map",

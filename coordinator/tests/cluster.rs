@@ -596,7 +596,64 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
             .into_inner();
         assert_eq!(r.frames.len(), 2);
         assert_eq!(r.data.len() as u64, 2 * PAGE);
+        // Three wrong tokens more: the node counts them (issue 21).
+        let ch = pagewire_proto::net::connect(&node_addr, None, Duration::from_secs(5))
+            .await
+            .expect("connect node");
+        let mut wrong = NodeClient::with_interceptor(ch, interceptor(Some("not-the-token")));
+        for _ in 0..3 {
+            let e = wrong
+                .fault_in(FaultInRequest::default())
+                .await
+                .expect_err("wrong token");
+            assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        }
     });
+    // Refused calls are counted where they were refused, every node sample
+    // names its node.
+    let node_metrics = http_get(
+        c.json(&["nodes"])[0]["metrics_address"]
+            .as_str()
+            .expect("node metrics address"),
+        "/metrics",
+    );
+    for want in [
+        "pagewire_node_grpc_unauthenticated_total{node_id=\"m1\",reason=\"wrong\"} 3\n",
+        "pagewire_node_grpc_unauthenticated_total{node_id=\"m1\",reason=\"missing\"} 1\n",
+    ] {
+        assert!(
+            node_metrics.contains(want),
+            "{want:?} missing from:\n{node_metrics}"
+        );
+    }
+    let log = std::fs::read_to_string(c.path("coordinator.log")).expect("coordinator log");
+    let coord_metrics = log
+        .lines()
+        .filter(|l| l.contains("coordinator listening"))
+        .find_map(|l| l.split("metrics=").nth(1)?.split_whitespace().next())
+        .expect("the coordinator logs its metrics address")
+        .to_owned();
+    let coord = http_get(&coord_metrics, "/metrics");
+    for want in [
+        "pagewire_coordinator_grpc_unauthenticated_total{reason=\"wrong\"} 1\n",
+        "pagewire_coordinator_grpc_unauthenticated_total{reason=\"missing\"} 1\n",
+    ] {
+        assert!(coord.contains(want), "{want:?} missing from:\n{coord}");
+    }
+}
+
+/// The body of a plain HTTP GET of `path` at `addr` (host:port).
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read the answer");
+    assert!(out.starts_with("HTTP/1.") && out.contains(" 200 "), "{out}");
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
 }
 
 #[test]

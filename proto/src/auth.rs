@@ -5,6 +5,7 @@
 //! a message saying which.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
@@ -41,10 +42,35 @@ pub fn validate_token(token: &str) -> Result<(), TokenError> {
     Ok(())
 }
 
-/// Server side: refuses calls without the cluster token.
+/// Server side: refuses calls without the cluster token, and counts them.
 #[derive(Clone)]
 pub struct TokenCheck {
     expected: Arc<[u8]>,
+    refused: Arc<Refusals>,
+}
+
+/// Calls a [`TokenCheck`] (and its clones) refused, by reason: for the
+/// server's metrics (a client with a stale or foreign token shows up there,
+/// not only in its own logs).
+#[derive(Debug, Default)]
+pub struct Refusals {
+    /// No `authorization` metadata.
+    pub missing: AtomicU64,
+    /// `authorization` without the `Bearer ` scheme.
+    pub malformed: AtomicU64,
+    /// A token that is not this cluster's.
+    pub wrong: AtomicU64,
+}
+
+impl Refusals {
+    /// `(reason, count)` for each reason, as metrics label them.
+    pub fn by_reason(&self) -> [(&'static str, u64); 3] {
+        [
+            ("missing", self.missing.load(Ordering::Relaxed)),
+            ("malformed", self.malformed.load(Ordering::Relaxed)),
+            ("wrong", self.wrong.load(Ordering::Relaxed)),
+        ]
+    }
 }
 
 impl TokenCheck {
@@ -52,7 +78,28 @@ impl TokenCheck {
         validate_token(token)?;
         Ok(Self {
             expected: Arc::from(format!("Bearer {token}").into_bytes()),
+            refused: Arc::default(),
         })
+    }
+
+    /// As [`TokenCheck::new`], counting refusals into `refused` (a
+    /// server's metrics, created before the check).
+    pub fn counting_into(token: &str, refused: Arc<Refusals>) -> Result<Self, TokenError> {
+        Ok(Self {
+            refused,
+            ..Self::new(token)?
+        })
+    }
+
+    /// The refusals of this check and its clones.
+    pub fn refusals(&self) -> Arc<Refusals> {
+        self.refused.clone()
+    }
+
+    fn refuse(&self, count: &AtomicU64, message: &'static str) -> Status {
+        // Relaxed: a statistic.
+        count.fetch_add(1, Ordering::Relaxed);
+        Status::unauthenticated(message)
     }
 }
 
@@ -73,19 +120,21 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 impl Interceptor for TokenCheck {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let r = &self.refused;
         match request.metadata().get(AUTH_METADATA_KEY) {
-            None => Err(Status::unauthenticated(
+            None => Err(self.refuse(
+                &r.missing,
                 "missing cluster token: send metadata `authorization: Bearer <token>`",
             )),
             Some(value) if constant_time_eq(value.as_bytes(), &self.expected) => Ok(request),
             // The scheme is no secret: say what form is expected.
-            Some(value) if !value.as_bytes().starts_with(b"Bearer ") => {
-                Err(Status::unauthenticated(
-                    "malformed cluster token: send metadata `authorization: Bearer <token>` \
-                     (the word Bearer, one space, then the token)",
-                ))
-            }
-            Some(_) => Err(Status::unauthenticated(
+            Some(value) if !value.as_bytes().starts_with(b"Bearer ") => Err(self.refuse(
+                &r.malformed,
+                "malformed cluster token: send metadata `authorization: Bearer <token>` \
+                 (the word Bearer, one space, then the token)",
+            )),
+            Some(_) => Err(self.refuse(
+                &r.wrong,
                 "wrong cluster token: `authorization: Bearer <token>` did not match this \
                  cluster's token",
             )),
@@ -159,6 +208,17 @@ mod tests {
             err.message().contains("malformed") && err.message().contains("Bearer <token>"),
             "{}",
             err.message()
+        );
+        // One of each, counted by the check and its clones alike.
+        let mut clone = check.clone();
+        let req = AttachToken::new("third")
+            .unwrap()
+            .call(Request::new(()))
+            .unwrap();
+        assert!(clone.call(req).is_err());
+        assert_eq!(
+            check.refusals().by_reason(),
+            [("missing", 1), ("malformed", 1), ("wrong", 2)]
         );
     }
 

@@ -1,6 +1,7 @@
 //! The node's Prometheus metrics, read from the cache and the daemon's
 //! counters on each scrape (no second set of counters to keep in step).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -10,8 +11,9 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
 use super::Node;
+use pagewire_proto::auth::Refusals;
 
-struct NodeCollector(Arc<Node>);
+struct NodeCollector(Arc<Node>, Arc<Refusals>);
 
 impl std::fmt::Debug for NodeCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -220,13 +222,28 @@ impl prometheus_client::collector::Collector for NodeCollector {
                 counter(&mut enc, name, help, v)?;
             }
         }
+        let mut m = enc.encode_descriptor(
+            "grpc_unauthenticated",
+            "gRPC calls refused for their cluster token (reason: missing, malformed, wrong)",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (reason, v) in self.1.by_reason() {
+            ConstCounter::new(v).encode(m.encode_family(&[("reason", reason)])?)?;
+        }
         Ok(())
     }
 }
 
-pub(crate) fn registry(node: Arc<Node>) -> Registry {
-    let mut r = Registry::with_prefix("pagewire_node");
-    r.register_collector(Box::new(NodeCollector(node)));
+/// The node's metrics, every sample labelled with `node_id`; `refused`:
+/// the gRPC calls its token check refused.
+pub(crate) fn registry(node: Arc<Node>, refused: Arc<Refusals>) -> Registry {
+    let id = node.node_id.clone();
+    let mut r = Registry::with_prefix_and_labels(
+        "pagewire_node",
+        [(Cow::Borrowed("node_id"), Cow::Owned(id))].into_iter(),
+    );
+    r.register_collector(Box::new(NodeCollector(node, refused)));
     r
 }
 
@@ -236,4 +253,45 @@ pub(crate) fn render(r: &Registry) -> String {
         out.clear();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use pagewire_proto::auth::{AttachToken, TokenCheck};
+    use tonic::service::Interceptor;
+
+    /// Issue 21: every sample names its node (0 of 35 did), and calls with
+    /// a wrong token are counted (none was).
+    #[test]
+    fn every_sample_names_the_node_and_refused_tokens_are_counted() {
+        let (_dir, node) = super::super::tests::node();
+        let mut check = TokenCheck::new("right").unwrap();
+        let registry = super::registry(Arc::new(node), check.refusals());
+        for _ in 0..3 {
+            let req = AttachToken::new("wrong")
+                .unwrap()
+                .call(tonic::Request::new(()))
+                .unwrap();
+            assert!(check.call(req).is_err());
+        }
+        let text = super::render(&registry);
+        let samples: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .collect();
+        assert!(samples.len() > 20, "{text}");
+        for s in &samples {
+            assert!(s.contains("node_id=\"t\""), "no node_id label: {s}");
+        }
+        let wrong = samples
+            .iter()
+            .find(|s| {
+                s.starts_with("pagewire_node_grpc_unauthenticated_total{")
+                    && s.contains("reason=\"wrong\"")
+            })
+            .unwrap_or_else(|| panic!("no wrong-token counter in:\n{text}"));
+        assert!(wrong.ends_with(" 3"), "{wrong}");
+    }
 }

@@ -435,12 +435,16 @@ pub(crate) async fn run(
         tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");
     }
 
+    let check = TokenCheck::new(&token).map_err(|e| DaemonError::Config {
+        key: "token",
+        reason: e.to_string(),
+    })?;
     let mut tasks = tokio::task::JoinSet::new();
     let mut metrics_addr = String::new();
     if !cfg.metrics_listen.is_empty() {
         let l = bind(&cfg.metrics_listen).await?;
         metrics_addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
-        let registry = Arc::new(metrics::registry(node.clone()));
+        let registry = Arc::new(metrics::registry(node.clone(), check.refusals()));
         let ready = node.clone();
         tasks.spawn(pagewire_proto::metrics_http::serve(
             l,
@@ -496,10 +500,6 @@ pub(crate) async fn run(
         };
         server = server.tls_config(tls.config()?)?;
     }
-    let check = TokenCheck::new(&token).map_err(|e| DaemonError::Config {
-        key: "token",
-        reason: e.to_string(),
-    })?;
     let svc = tonic::service::interceptor::InterceptedService::new(
         NodeServer::new(service::NodeService { node: node.clone() })
             .max_decoding_message_size(16 << 20)
