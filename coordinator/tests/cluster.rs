@@ -1341,6 +1341,58 @@ fn a_second_process_with_a_live_node_id_exits_and_a_left_node_stays_left() {
     );
 }
 
+/// Issue 21: `stats --json` printed one line where every other command
+/// pretty-prints, and `stats --watch 1 > file` wrote clear-screen escapes
+/// into the file.
+#[test]
+fn pwctl_stats_json_is_pretty_and_watch_into_a_file_has_no_escape_codes() {
+    let mut c = Cluster::new(RELAXED_LEASE_MS);
+    c.start_node("w1", 256);
+    c.wait_stable(1);
+    let out = c.pwctl(&["--json", "stats"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().count() > 3, "not pretty-printed: {text}");
+    let v: Value = serde_json::from_str(&text).expect("one JSON array");
+    assert_eq!(v[0]["node_id"], "w1", "{v}");
+    // --watch into a pipe, twice: tables then JSON Lines, ~2.5 refreshes.
+    for (json, check) in [(false, "table"), (true, "json")] {
+        let mut args = vec!["--coordinator".to_owned(), format!("127.0.0.1:{}", c.port)];
+        args.extend([
+            "--token-file".to_owned(),
+            c.path("token").display().to_string(),
+        ]);
+        if json {
+            args.push("--json".into());
+        }
+        args.extend(["stats".into(), "--watch".into(), "1".into()]);
+        let mut child = Command::new(pwctl_bin())
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run pwctl");
+        std::thread::sleep(Duration::from_millis(2500));
+        child.kill().expect("stop pwctl");
+        let out = child.wait_with_output().expect("pwctl output");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !text.contains('\x1b'),
+            "{check}: escape codes in a pipe: {text:?}"
+        );
+        if json {
+            let lines: Vec<&str> = text.lines().collect();
+            assert!(lines.len() >= 2, "{check}: {text}");
+            for l in lines {
+                let v: Value = serde_json::from_str(l).expect("a JSON array per line");
+                assert_eq!(v[0]["node_id"], "w1", "{v}");
+            }
+        } else {
+            assert!(text.matches("w1").count() >= 2, "{check}: {text}");
+        }
+    }
+}
+
 #[test]
 fn pwctl_names_wrong_addresses_frozen_nodes_and_token_mistakes() {
     let mut c = Cluster::new(RELAXED_LEASE_MS);

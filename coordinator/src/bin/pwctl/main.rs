@@ -141,7 +141,9 @@ enum Cmd {
     /// heartbeat when it cannot be reached in time). Dead and departed nodes
     /// are listed as such.
     Stats {
-        /// Refresh every this many seconds until interrupted.
+        /// Refresh every this many seconds until interrupted (on a
+        /// terminal the screen is cleared between refreshes; with --json,
+        /// one compact JSON array per line).
         #[arg(long, value_name = "SECS")]
         watch: Option<u64>,
         /// How long each node gets to answer (connect included), in
@@ -592,10 +594,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             let nodes = list_nodes(&mut c, ctx).await?;
             let per_node = Duration::from_millis((*node_timeout_ms).max(1));
             let rows = stats::collect(&nodes, ctx, per_node).await;
-            if watch.is_some() && !ctx.json {
+            // Clear the screen between refreshes only on a terminal: a
+            // file or a pipe gets the tables one after another.
+            if watch.is_some() && !ctx.json && std::io::IsTerminal::is_terminal(&std::io::stdout())
+            {
                 out!("\x1b[2J\x1b[H");
             }
-            stats::print(&rows, ctx.json);
+            stats::print(&rows, ctx.json, watch.is_some());
             match watch {
                 Some(secs) => tokio::time::sleep(Duration::from_secs((*secs).max(1))).await,
                 None => return Ok(true),

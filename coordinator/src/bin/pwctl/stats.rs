@@ -111,7 +111,10 @@ pub(crate) async fn collect(nodes: &[NodeInfo], ctx: &Ctx, limit: Duration) -> V
         .collect()
 }
 
-pub(crate) fn print(rows: &[Row], as_json: bool) {
+/// Prints the rows: a table, or with `as_json` a JSON array, pretty like
+/// every other command's unless `lines` (`--watch --json`: one compact
+/// line per refresh, JSON Lines).
+pub(crate) fn print(rows: &[Row], as_json: bool, lines: bool) {
     if as_json {
         let v: Vec<Value> = rows
             .iter()
@@ -124,7 +127,12 @@ pub(crate) fn print(rows: &[Row], as_json: bool) {
                 s
             })
             .collect();
-        outln!("{}", serde_json::to_string(&v).unwrap_or_default());
+        let text = if lines {
+            serde_json::to_string(&v)
+        } else {
+            serde_json::to_string_pretty(&v)
+        };
+        outln!("{}", text.unwrap_or_default());
         return;
     }
     let t: Vec<Vec<String>> = rows
