@@ -23,6 +23,7 @@ pub struct Metrics {
     epoch: Gauge,
     extents: Gauge,
     extents_in_handoff: Gauge,
+    extents_unowned: Gauge,
     extents_owned: Family<Labels, Gauge>,
     nodes: Family<Labels, Gauge>,
     pub(crate) registrations: Counter,
@@ -73,6 +74,7 @@ impl Metrics {
             epoch: Gauge::default(),
             extents: Gauge::default(),
             extents_in_handoff: Gauge::default(),
+            extents_unowned: Gauge::default(),
             extents_owned: Family::default(),
             nodes: Family::default(),
             registrations: Counter::default(),
@@ -102,6 +104,11 @@ impl Metrics {
             "extents_in_handoff",
             "Extents whose previous owner still serves them",
             m.extents_in_handoff.clone(),
+        );
+        registry.register(
+            "extents_unowned",
+            "Extents no node in the map owns (readers fall back to the backing file)",
+            m.extents_unowned.clone(),
         );
         registry.register(
             "extents_owned",
@@ -171,6 +178,13 @@ impl Metrics {
         for &o in &map.owner {
             *counts.entry(o).or_default() += 1;
         }
+        let owned: usize = map
+            .nodes
+            .iter()
+            .map(|n| counts.get(&n.index).copied().unwrap_or(0))
+            .sum();
+        self.extents_unowned
+            .set(i64::try_from(map.owner.len().saturating_sub(owned)).unwrap_or(i64::MAX));
         let mut labels_now = Vec::new();
         for n in &map.nodes {
             let count = counts.get(&n.index).copied().unwrap_or(0);
@@ -217,5 +231,42 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pagewire_proto::v1::{MapNode, NodeState, OwnershipMap};
+
+    use super::Metrics;
+
+    /// Issue 21: the unowned extents were derived in the dashboard; the
+    /// coordinator exports them.
+    #[test]
+    fn unowned_extents_are_a_gauge() {
+        let m = Metrics::new();
+        let map = OwnershipMap {
+            epoch: 3,
+            // Extent 1 has no owner, extent 3 names a node not in the map.
+            owner: vec![1, 0, 1, 2],
+            nodes: vec![MapNode {
+                index: 1,
+                node_id: "a".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        m.observe_map(&map, &[("a".into(), NodeState::Alive)]);
+        let text = m.render();
+        assert!(
+            text.lines()
+                .any(|l| l == "pagewire_coordinator_extents_unowned 2"),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l == "pagewire_coordinator_extents_owned{node=\"a\"} 2"),
+            "{text}"
+        );
     }
 }

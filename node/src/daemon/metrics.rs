@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use super::Node;
@@ -222,6 +223,30 @@ impl prometheus_client::collector::Collector for NodeCollector {
                 counter(&mut enc, name, help, v)?;
             }
         }
+        counter(
+            &mut enc,
+            "grpc_reads",
+            "gRPC Read calls answered (any outcome)",
+            n.grpc_reads.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "lease_losses",
+            "Leases lost: every extent dropped until the node registered again",
+            n.lease_losses.load(Ordering::Relaxed),
+        )?;
+        {
+            let [local, remote] = &n.grpc_read_seconds;
+            let mut m = enc.encode_descriptor(
+                "grpc_read_seconds",
+                "Latency of answered gRPC Reads (path: local = this node's cache alone, \
+                 remote = with pages read from their owners, one-sidedly or by FaultIn)",
+                None,
+                local.metric_type(),
+            )?;
+            local.encode(m.encode_family(&[("path", "local")])?)?;
+            remote.encode(m.encode_family(&[("path", "remote")])?)?;
+        }
         let mut m = enc.encode_descriptor(
             "grpc_unauthenticated",
             "gRPC calls refused for their cluster token (reason: missing, malformed, wrong)",
@@ -233,6 +258,11 @@ impl prometheus_client::collector::Collector for NodeCollector {
         }
         Ok(())
     }
+}
+
+/// A latency histogram's buckets: 10 µs to about 1.3 s, doubling.
+pub(crate) fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(10e-6, 2.0, 18))
 }
 
 /// The node's metrics, every sample labelled with `node_id`; `refused`:
@@ -267,8 +297,11 @@ mod tests {
     #[test]
     fn every_sample_names_the_node_and_refused_tokens_are_counted() {
         let (_dir, node) = super::super::tests::node();
+        let node = Arc::new(node);
+        node.lose_everything("test");
+        node.grpc_read_seconds[1].observe(0.003);
         let mut check = TokenCheck::new("right").unwrap();
-        let registry = super::registry(Arc::new(node), check.refusals());
+        let registry = super::registry(node, check.refusals());
         for _ in 0..3 {
             let req = AttachToken::new("wrong")
                 .unwrap()
@@ -293,5 +326,15 @@ mod tests {
             })
             .unwrap_or_else(|| panic!("no wrong-token counter in:\n{text}"));
         assert!(wrong.ends_with(" 3"), "{wrong}");
+        for want in [
+            "pagewire_node_lease_losses_total{node_id=\"t\"} 1",
+            "pagewire_node_grpc_reads_total{node_id=\"t\"} 0",
+            "pagewire_node_grpc_read_seconds_count{node_id=\"t\",path=\"remote\"} 1",
+            "pagewire_node_grpc_read_seconds_bucket{node_id=\"t\",le=\"0.00512\",path=\"remote\"} 1",
+            "pagewire_node_grpc_read_seconds_bucket{node_id=\"t\",le=\"0.00256\",path=\"remote\"} 0",
+            "pagewire_node_grpc_read_seconds_count{node_id=\"t\",path=\"local\"} 0",
+        ] {
+            assert!(samples.contains(&want), "{want:?} missing from:\n{text}");
+        }
     }
 }

@@ -72,6 +72,13 @@ pub(crate) struct Node {
     /// the cache kept).
     pub(crate) policy: Mutex<Policy>,
     pub(crate) bytes_served: AtomicU64,
+    /// gRPC `Read` calls answered (any outcome).
+    pub(crate) grpc_reads: AtomicU64,
+    /// Their latency: [served from this node's cache alone, with pages
+    /// read from their owners].
+    pub(crate) grpc_read_seconds: [prometheus_client::metrics::histogram::Histogram; 2],
+    /// Leases lost (every extent dropped until the node registers again).
+    pub(crate) lease_losses: AtomicU64,
     pub(crate) stale_rejections: AtomicU64,
     pub(crate) lease_rejections: AtomicU64,
     pub(crate) heartbeat_failures: AtomicU64,
@@ -109,6 +116,9 @@ impl Node {
             incarnation: AtomicU64::new(0),
             policy: Mutex::new(Policy::default()),
             bytes_served: AtomicU64::new(0),
+            grpc_reads: AtomicU64::new(0),
+            grpc_read_seconds: [metrics::latency_histogram(), metrics::latency_histogram()],
+            lease_losses: AtomicU64::new(0),
             stale_rejections: AtomicU64::new(0),
             lease_rejections: AtomicU64::new(0),
             heartbeat_failures: AtomicU64::new(0),
@@ -275,6 +285,7 @@ impl Node {
         *self.view.write().unwrap_or_else(|e| e.into_inner()) = None;
         let evicted = self.cache.evict_range(0, self.cache.pages()).0;
         self.applied.store(0, Ordering::Release);
+        self.lease_losses.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(why, evicted_pages = evicted, "lost every extent");
     }
 

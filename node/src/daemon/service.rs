@@ -181,7 +181,7 @@ impl Node {
         first: u64,
         count: u64,
         map_epoch: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>, u64), DaemonError> {
+    ) -> Result<(Vec<u8>, Vec<u64>, u64, bool), DaemonError> {
         enum Part {
             Cached(Vec<u8>, Vec<u64>),
             Owner(MapNode, u64, u64),
@@ -228,6 +228,7 @@ impl Node {
         };
         let n = usize::try_from(count).unwrap_or(0);
         let (mut data, mut generations) = (Vec::with_capacity(n * ps), Vec::with_capacity(n));
+        let remote = parts.iter().any(|p| matches!(p, Part::Owner(..)));
         for part in parts {
             match part {
                 Part::Cached(d, g) => {
@@ -247,7 +248,7 @@ impl Node {
         // A node frozen or cut off past its lease must not answer from its
         // old map.
         self.check_lease()?;
-        Ok((data, generations, epoch))
+        Ok((data, generations, epoch, remote))
     }
 
     /// Runs `work` with the applied map's read lock held, once the call is
@@ -338,8 +339,11 @@ impl NodeRpc for NodeService {
         let node = self.node.clone();
         let (first, count) = node.check_run(req.run, true)?;
         let resp = blocking(move || {
-            let (data, frame_generations, map_epoch) =
-                node.read_pages(first, count, req.map_epoch)?;
+            let t0 = std::time::Instant::now();
+            let r = node.read_pages(first, count, req.map_epoch);
+            node.grpc_reads.fetch_add(1, Ordering::Relaxed);
+            let (data, frame_generations, map_epoch, remote) = r?;
+            node.grpc_read_seconds[usize::from(remote)].observe(t0.elapsed().as_secs_f64());
             node.bytes_served
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok(ReadResponse {
