@@ -288,7 +288,7 @@ mod verbs {
 
     use super::super::gid;
     use super::{
-        Config, DaemonError, PageCache, advertised, cfg_err, host_of, listen_addr, region_of,
+        Config, DaemonError, PageCache, advertised, cfg_err, chain, host_of, listen_addr, region_of,
     };
 
     /// Field order: the registration goes before its owner.
