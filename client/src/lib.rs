@@ -119,6 +119,10 @@ pub mod pool;
 pub mod remote;
 mod slot;
 
+/// An error and its sources, `: `-separated, for log lines and messages
+/// that print an error once (`Display` alone stops at the top: "i/o error
+/// while connecting" without the OS error under it).
+pub use cluster::owner::chain as error_chain;
 pub use cluster::{
     ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadInfo,
     ReadPath, RunInfo, Transport, TransportChoice, Via, read_owner, trust_window, write_owner,

@@ -295,7 +295,8 @@ fn tcp_handle(
 
 /// An error and its sources, `: `-separated (a source whose text the
 /// message already shows is left out: several errors print their source).
-pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+/// Exported as [`crate::error_chain`].
+pub fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::PageCache;
+use pagewire_client::error_chain as chain;
 use pagewire_proto::v1::TransportDescriptor;
 use pagewire_rdma::shm::ShmOwner;
 use pagewire_rdma::tcp::{ResponderConfig, TcpRegion, TcpResponder};
@@ -78,19 +79,6 @@ fn shm_name(node_id: &str) -> String {
         n.insert(0, 'n');
     }
     format!("node-{n}")
-}
-
-/// `e` and the errors under it, `: `-separated: the transports' errors keep
-/// the OS error as their source ("i/o error while starting the owner" alone
-/// names nothing).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut at = e.source();
-    while let Some(c) = at {
-        s += &format!(": {c}");
-        at = c.source();
-    }
-    s
 }
 
 fn cfg_err(key: &'static str, reason: impl std::fmt::Display) -> DaemonError {

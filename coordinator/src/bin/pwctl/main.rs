@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use clap::{Parser, Subcommand};
+use pagewire_client::error_chain;
 use pagewire_coordinator::config::{parse_admission, parse_eviction};
 use pagewire_coordinator::error::state_name;
 use pagewire_proto::auth::AttachToken;
@@ -344,20 +345,6 @@ fn client_tls(cli: &Cli) -> Option<ClientTls> {
         ca_file,
         domain: cli.tls_domain.clone(),
     })
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
 }
 
 fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
