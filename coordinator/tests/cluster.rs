@@ -19,6 +19,9 @@ use pagewire_proto::v1::{
 };
 use serde_json::Value;
 
+#[path = "../../proto/tests/support/signal.rs"]
+mod signal;
+
 const TOKEN: &str = "test-cluster-token";
 /// Lease for the tests that do not time failure detection: long enough that
 /// a node starved of CPU on a busy machine is not declared dead under them.
@@ -64,13 +67,9 @@ struct Proc {
 
 impl Proc {
     /// Sends `signal` (a `kill -SIGNAL` name such as STOP or CONT).
+    /// With STOP, returns once every thread of the process is stopped.
     fn signal(&self, signal: &str) {
-        let ok = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("run kill");
-        assert!(ok.success(), "kill -{signal} {}", self.name);
+        signal::signal(self.child.id(), &self.name, signal);
     }
 
     fn kill9(&mut self) {

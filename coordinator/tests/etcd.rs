@@ -23,6 +23,9 @@ use pagewire_coordinator::store::etcd::{EpochRecord, epoch_history};
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::coordinator_client::CoordinatorClient;
 use pagewire_proto::v1::node_client::NodeClient;
+
+#[path = "../../proto/tests/support/signal.rs"]
+mod signal;
 use pagewire_proto::v1::{
     CoordinatorRole, DrainRequest, GetMapRequest, ListNodesRequest, NodeState, OwnershipMap,
     PageRun, ReadRequest, RegisterRequest, StatusRequest, StatusResponse, WatchMapRequest,
@@ -96,13 +99,9 @@ impl Proc {
         self.child.as_ref().expect("running").id()
     }
 
+    /// With STOP, returns once every thread of the process is stopped.
     fn signal(&self, signal: &str) {
-        let ok = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.pid().to_string())
-            .status()
-            .expect("run kill");
-        assert!(ok.success(), "kill -{signal} {}", self.name);
+        signal::signal(self.pid(), &self.name, signal);
     }
 
     fn kill9(&mut self) {

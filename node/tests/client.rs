@@ -27,6 +27,9 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+#[path = "../../proto/tests/support/signal.rs"]
+mod signal;
+
 const TOKEN: &str = "client-test-token";
 const PS: usize = 4096;
 const PAGES: u64 = 4096;
@@ -73,13 +76,9 @@ struct Proc {
 }
 
 impl Proc {
+    /// With STOP, returns once every thread of the process is stopped.
     fn signal(&self, signal: &str) {
-        let ok = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("run kill");
-        assert!(ok.success(), "kill -{signal} {}", self.name);
+        signal::signal(self.child.id(), &self.name, signal);
     }
 
     /// Waits until the process exits, at most `limit` after `since` (when
