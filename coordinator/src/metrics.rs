@@ -5,9 +5,6 @@ use std::sync::{Arc, Mutex};
 use pagewire_proto::auth::Refusals;
 use pagewire_proto::v1::{NodeState, OwnershipMap};
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
-use prometheus_client::metrics::MetricType;
-use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -42,25 +39,6 @@ pub struct Metrics {
     pub(crate) refusals: Arc<Refusals>,
 }
 
-/// `grpc_unauthenticated{reason}`, read from the token check's counters.
-#[derive(Debug)]
-struct RefusalCollector(Arc<Refusals>);
-
-impl prometheus_client::collector::Collector for RefusalCollector {
-    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
-        let mut m = enc.encode_descriptor(
-            "grpc_unauthenticated",
-            "gRPC calls refused for their cluster token (reason: missing, malformed, wrong)",
-            None,
-            MetricType::Counter,
-        )?;
-        for (reason, v) in self.0.by_reason() {
-            ConstCounter::new(v).encode(m.encode_family(&[("reason", reason)])?)?;
-        }
-        Ok(())
-    }
-}
-
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -93,7 +71,7 @@ impl Metrics {
             refusals: Arc::default(),
             registry: Registry::default(),
         };
-        registry.register_collector(Box::new(RefusalCollector(m.refusals.clone())));
+        registry.register_collector(m.refusals.clone().collector());
         registry.register(
             "map_epoch",
             "Epoch of the current ownership map",

@@ -71,6 +71,39 @@ impl Refusals {
             ("wrong", self.wrong.load(Ordering::Relaxed)),
         ]
     }
+
+    /// These counters as `grpc_unauthenticated_total{reason}` (under the
+    /// registry's prefix and labels), read on each scrape: the one encoding
+    /// the node and the coordinator both register.
+    #[cfg(feature = "server")]
+    pub fn collector(self: Arc<Self>) -> Box<dyn prometheus_client::collector::Collector> {
+        Box::new(RefusalCollector(self))
+    }
+}
+
+#[cfg(feature = "server")]
+#[derive(Debug)]
+struct RefusalCollector(Arc<Refusals>);
+
+#[cfg(feature = "server")]
+impl prometheus_client::collector::Collector for RefusalCollector {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        let mut m = enc.encode_descriptor(
+            "grpc_unauthenticated",
+            "gRPC calls refused for their cluster token (reason: missing, malformed, wrong)",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (reason, v) in self.0.by_reason() {
+            ConstCounter::new(v).encode(m.encode_family(&[("reason", reason)])?)?;
+        }
+        Ok(())
+    }
 }
 
 impl TokenCheck {

@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use super::Node;
 use pagewire_proto::auth::Refusals;
 
-struct NodeCollector(Arc<Node>, Arc<Refusals>);
+struct NodeCollector(Arc<Node>);
 
 impl std::fmt::Debug for NodeCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -247,15 +247,6 @@ impl prometheus_client::collector::Collector for NodeCollector {
             local.encode(m.encode_family(&[("path", "local")])?)?;
             remote.encode(m.encode_family(&[("path", "remote")])?)?;
         }
-        let mut m = enc.encode_descriptor(
-            "grpc_unauthenticated",
-            "gRPC calls refused for their cluster token (reason: missing, malformed, wrong)",
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        for (reason, v) in self.1.by_reason() {
-            ConstCounter::new(v).encode(m.encode_family(&[("reason", reason)])?)?;
-        }
         Ok(())
     }
 }
@@ -273,7 +264,8 @@ pub(crate) fn registry(node: Arc<Node>, refused: Arc<Refusals>) -> Registry {
         "pagewire_node",
         [(Cow::Borrowed("node_id"), Cow::Owned(id))].into_iter(),
     );
-    r.register_collector(Box::new(NodeCollector(node, refused)));
+    r.register_collector(Box::new(NodeCollector(node)));
+    r.register_collector(refused.collector());
     r
 }
 
