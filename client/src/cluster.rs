@@ -149,6 +149,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::latency::{LatencyHistogram, PathLatency, ReadPathLabel};
 use crate::pool::{OwnerPool, PoolConfig, PoolError, RunOptions};
 use crate::remote::{ReaderConfig, ReaderStats};
 use crate::slot::Padded;
@@ -446,6 +447,7 @@ struct Counters {
     unavailable: AtomicU64,
     lease_waits: AtomicU64,
     coalesced: AtomicU64,
+    latency: PathLatency,
 }
 
 fn bump(c: &AtomicU64, n: u64) {
@@ -642,13 +644,15 @@ impl ClusterClient {
         if count == 0 {
             return Ok(RunInfo { pages: Vec::new() });
         }
-        let deadline = Instant::now() + self.cfg.op_deadline;
+        let t0 = Instant::now();
+        let deadline = t0 + self.cfg.op_deadline;
         let lead = match self.flights.begin((first, count), deadline) {
             Role::Follow(a) => {
                 out.copy_from_slice(&a.bytes);
                 let c = self.counters();
                 bump(&c.reads, count as u64);
                 bump(&c.coalesced, count as u64);
+                c.latency.observe(ReadPathLabel::Coalesced, t0.elapsed());
                 let pages = a
                     .infos
                     .iter()
@@ -672,6 +676,17 @@ impl ClusterClient {
                 _ => None,
             };
             l.finish(answer);
+        }
+        if let Ok(info) = &r {
+            let via = |v| info.pages.iter().any(|p| p.via == v);
+            let path = if via(Via::Grpc) {
+                ReadPathLabel::Grpc
+            } else if via(Via::FaultIn) {
+                ReadPathLabel::Fallback
+            } else {
+                ReadPathLabel::OneSided
+            };
+            self.counters().latency.observe(path, t0.elapsed());
         }
         r
     }
@@ -766,6 +781,14 @@ impl ClusterClient {
         })?;
         bump(&self.counters().writes, 1);
         Ok(generation)
+    }
+
+    /// How long this client's answered `read_page`/`read_run` calls took
+    /// (from the call to its answer, retries included), one histogram per
+    /// path, over every thread, in [`ReadPathLabel::ALL`]'s order. Failed
+    /// reads are in [`ClientStats::unavailable`], not here.
+    pub fn read_latency(&self) -> Vec<(ReadPathLabel, LatencyHistogram)> {
+        crate::latency::sum(self.slots.iter().map(|c| &c.latency))
     }
 
     /// This client's counters, over every thread.

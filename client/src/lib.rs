@@ -114,7 +114,10 @@
 
 pub mod clock;
 pub mod cluster;
+pub mod latency;
 mod locations;
+#[cfg(feature = "prometheus")]
+pub mod metrics;
 pub mod pool;
 pub mod remote;
 mod slot;

@@ -453,12 +453,13 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
                     assert!(info.attempts >= 1);
                     n += 1;
                 }
-                (name, path, cl.stats(), n)
+                (name, path, cl, n)
             })
         })
         .collect();
     for t in threads {
-        let (name, path, s, n): (&str, ReadPath, ClientStats, u64) = t.join().expect("reader");
+        let (name, path, cl, n): (&str, ReadPath, ClusterClient, u64) = t.join().expect("reader");
+        let s: ClientStats = cl.stats();
         eprintln!(
             "MEASURE {name}: {} reads ({n} random): {} one-sided, {} FaultIn, {} gRPC; \
              {} retries, {} validation failures, {} torn buckets",
@@ -479,6 +480,43 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
                 assert_eq!(s.grpc_reads, 0);
             }
             ReadPath::Grpc => assert_eq!(s.grpc_reads, s.reads),
+        }
+        // One page per call, one thread: each call is timed under the path
+        // of its page, and the program's registry shows the same.
+        let latency: Vec<(&str, u64)> = cl
+            .read_latency()
+            .iter()
+            .map(|(p, h)| (p.as_str(), h.count))
+            .collect();
+        assert_eq!(
+            latency,
+            [
+                ("one_sided", s.one_sided),
+                ("fallback", s.fault_ins),
+                ("grpc", s.grpc_reads),
+                ("coalesced", 0)
+            ],
+            "{name}"
+        );
+        let mut registry = prometheus_client::registry::Registry::with_prefix("pagewire_client");
+        registry.register_collector(pagewire_client::metrics::collector(Arc::new(cl)));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        for want in [
+            format!("pagewire_client_reads_total {}\n", s.reads),
+            format!(
+                "pagewire_client_read_seconds_count{{path=\"grpc\"}} {}\n",
+                s.grpc_reads
+            ),
+            format!(
+                "pagewire_client_read_seconds_bucket{{le=\"+Inf\",path=\"one_sided\"}} {}\n",
+                s.one_sided
+            ),
+        ] {
+            assert!(
+                text.contains(&want),
+                "{name}: {want:?} missing from:\n{text}"
+            );
         }
     }
     eprintln!(
