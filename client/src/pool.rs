@@ -305,14 +305,15 @@ impl OwnerPool {
 
     /// Reads pages `first..first + count` of the file from `owner` (a node
     /// of the caller's map): their bytes, concatenated (each page's valid
-    /// length), and each page's frame generation (0 for a page the owner
-    /// served without caching it). The node daemon's entry point.
+    /// length), and how each page was read (its frame generation: 0 for a
+    /// page the owner served without caching it). The node daemon's entry
+    /// point.
     pub fn read_run(
         &self,
         owner: &MapNode,
         first: u64,
         count: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>), PoolError> {
+    ) -> Result<(Vec<u8>, Vec<PageRead>), PoolError> {
         let n = usize::try_from(count).unwrap_or(usize::MAX);
         let need = n.checked_mul(self.page_size).ok_or(PoolError::BufferSize {
             need: usize::MAX,
@@ -323,7 +324,7 @@ impl OwnerPool {
         // Only the file's last page is short, so the valid lengths of the
         // run are one prefix of it.
         out.truncate(pages.iter().map(|p| p.len).sum());
-        Ok((out, pages.iter().map(|p| p.generation).collect()))
+        Ok((out, pages))
     }
 
     /// Reads pages `first..first + count` from `owner` into `out` (at least

@@ -641,6 +641,22 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
     }
 }
 
+impl Cluster {
+    /// The `/metrics` text of node `id`.
+    fn node_metrics(&self, id: &str) -> String {
+        let nodes = self.json(&["nodes"]);
+        let addr = nodes
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .find(|n| n["node_id"] == id)
+            .and_then(|n| n["metrics_address"].as_str())
+            .unwrap_or_else(|| panic!("no metrics address for {id} in {nodes}"))
+            .to_owned();
+        http_get(&addr, "/metrics")
+    }
+}
+
 /// The body of a plain HTTP GET of `path` at `addr` (host:port).
 fn http_get(addr: &str, path: &str) -> String {
     use std::io::{Read, Write};
@@ -970,6 +986,20 @@ fn a_non_owner_reads_from_the_owner_one_sidedly_and_caches_nothing() {
         let got = read_page(&mut n1, page, 0).await.expect("non-owner read");
         assert_eq!(got, written(page), "the non-owner read the pre-write bytes");
     });
+    // Each answered Read is timed under how it was answered: the non-owner's
+    // four from the owner's memory, the owner's one from its cache.
+    for (node, path, n) in [
+        ("o1", "one_sided", 4),
+        ("o1", "fallback", 0),
+        ("o1", "local", 0),
+        ("o2", "local", 1),
+    ] {
+        let want = format!(
+            "pagewire_node_grpc_read_seconds_count{{node_id=\"{node}\",path=\"{path}\"}} {n}\n"
+        );
+        let text = c.node_metrics(node);
+        assert!(text.contains(&want), "{want:?} missing from:\n{text}");
+    }
 }
 
 /// Bytes of a page that differ from the sparse file's zeros.

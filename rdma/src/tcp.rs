@@ -232,6 +232,19 @@ impl TcpResponder {
         self.shared.epoch
     }
 
+    /// Connections open now (from accept until their serving thread ends;
+    /// one still in its handshake counts).
+    #[must_use]
+    pub fn connections(&self) -> usize {
+        self.shared.conns.lock().expect("conns lock").len()
+    }
+
+    /// Connections accepted since the responder started.
+    #[must_use]
+    pub fn accepted(&self) -> u64 {
+        self.shared.next_conn.load(Ordering::Relaxed)
+    }
+
     /// Allocates and registers `len` zeroed bytes (page-aligned) for remote READ.
     ///
     /// # Errors
@@ -1032,6 +1045,31 @@ mod tests {
             u64::from_le_bytes(h[8..16].try_into().expect("8")),
             body,
         )
+    }
+
+    /// `connections` counts open connections (handshake included) and drops
+    /// one when its reader goes away; `accepted` only grows.
+    #[test]
+    fn connections_are_counted_while_open() {
+        let resp =
+            TcpResponder::bind("127.0.0.1:0", ResponderConfig::new(b"t".to_vec())).expect("bind");
+        assert_eq!((resp.connections(), resp.accepted()), (0, 0));
+        let until = |what: &str, ok: &dyn Fn() -> bool| {
+            let t0 = std::time::Instant::now();
+            while !ok() {
+                assert!(t0.elapsed() < Duration::from_secs(10), "{what}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        };
+        let mut a = TcpStream::connect(resp.local_addr()).expect("connect");
+        handshake::client(&mut a, MAGIC, b"t").expect("handshake");
+        let b = TcpStream::connect(resp.local_addr()).expect("connect");
+        until("two open", &|| resp.connections() == 2);
+        drop(b);
+        until("one open after a reader left", &|| resp.connections() == 1);
+        drop(a);
+        until("none open", &|| resp.connections() == 0);
+        assert_eq!(resp.accepted(), 2);
     }
 
     /// Malformed requests on the wire get error replies, in order, and the

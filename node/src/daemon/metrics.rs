@@ -12,6 +12,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use super::Node;
+use super::service::ReadPath;
 use pagewire_proto::auth::Refusals;
 
 struct NodeCollector(Arc<Node>);
@@ -164,6 +165,22 @@ impl prometheus_client::collector::Collector for NodeCollector {
             "Reader processes refused because transports.verbs_max_queue_pairs were served",
             refused,
         )?;
+        let (open, accepted) = n
+            .served
+            .as_ref()
+            .map_or((0, 0), |s| (s.tcp_connections(), s.tcp_accepted()));
+        gauge(
+            &mut enc,
+            "tcp_connections",
+            "Reader connections the tcp transport serves now (one per reader process and owner)",
+            open,
+        )?;
+        counter(
+            &mut enc,
+            "tcp_connections_accepted",
+            "Reader connections the tcp transport accepted since start",
+            accepted,
+        )?;
         if let Some(src) = &n.one_sided {
             let r = src.reader_stats();
             let st = src.stats();
@@ -187,6 +204,11 @@ impl prometheus_client::collector::Collector for NodeCollector {
                     "remote_connects",
                     "One-sided connections opened to owners",
                     st.connects,
+                ),
+                (
+                    "remote_reconnects",
+                    "Of those, opened to an owner after one to it was closed (a failure, or a new region epoch)",
+                    st.reconnects,
                 ),
                 ("remote_reads", "One-sided page reads attempted", r.reads),
                 (
@@ -235,17 +257,16 @@ impl prometheus_client::collector::Collector for NodeCollector {
             "Leases lost: every extent dropped until the node registered again",
             n.lease_losses.load(Ordering::Relaxed),
         )?;
-        {
-            let [local, remote] = &n.grpc_read_seconds;
-            let mut m = enc.encode_descriptor(
-                "grpc_read_seconds",
-                "Latency of answered gRPC Reads (path: local = this node's cache alone, \
-                 remote = with pages read from their owners, one-sidedly or by FaultIn)",
-                None,
-                local.metric_type(),
-            )?;
-            local.encode(m.encode_family(&[("path", "local")])?)?;
-            remote.encode(m.encode_family(&[("path", "remote")])?)?;
+        let mut m = enc.encode_descriptor(
+            "grpc_read_seconds",
+            "Latency of answered gRPC Reads (path: local = this node's cache alone, \
+             one_sided = with pages read one-sidedly from their owners, fallback = with \
+             a page faulted in on its owner over gRPC)",
+            None,
+            prometheus_client::metrics::MetricType::Histogram,
+        )?;
+        for (path, label) in ReadPath::ALL {
+            n.grpc_read_seconds[path.index()].encode(m.encode_family(&[("path", label)])?)?;
         }
         Ok(())
     }
@@ -291,7 +312,7 @@ mod tests {
         let (_dir, node) = super::super::tests::node();
         let node = Arc::new(node);
         node.lose_everything("test");
-        node.grpc_read_seconds[1].observe(0.003);
+        node.grpc_read_seconds[super::ReadPath::Fallback.index()].observe(0.003);
         let mut check = TokenCheck::new("right").unwrap();
         let registry = super::registry(node, check.refusals());
         for _ in 0..3 {
@@ -321,9 +342,10 @@ mod tests {
         for want in [
             "pagewire_node_lease_losses_total{node_id=\"t\"} 1",
             "pagewire_node_grpc_reads_total{node_id=\"t\"} 0",
-            "pagewire_node_grpc_read_seconds_count{node_id=\"t\",path=\"remote\"} 1",
-            "pagewire_node_grpc_read_seconds_bucket{node_id=\"t\",le=\"0.00512\",path=\"remote\"} 1",
-            "pagewire_node_grpc_read_seconds_bucket{node_id=\"t\",le=\"0.00256\",path=\"remote\"} 0",
+            "pagewire_node_grpc_read_seconds_count{node_id=\"t\",path=\"fallback\"} 1",
+            "pagewire_node_grpc_read_seconds_bucket{node_id=\"t\",le=\"0.00512\",path=\"fallback\"} 1",
+            "pagewire_node_grpc_read_seconds_bucket{node_id=\"t\",le=\"0.00256\",path=\"fallback\"} 0",
+            "pagewire_node_grpc_read_seconds_count{node_id=\"t\",path=\"one_sided\"} 0",
             "pagewire_node_grpc_read_seconds_count{node_id=\"t\",path=\"local\"} 0",
         ] {
             assert!(samples.contains(&want), "{want:?} missing from:\n{text}");

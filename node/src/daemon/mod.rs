@@ -76,7 +76,8 @@ pub(crate) struct Node {
     pub(crate) grpc_reads: AtomicU64,
     /// Their latency: [served from this node's cache alone, with pages
     /// read from their owners].
-    pub(crate) grpc_read_seconds: [prometheus_client::metrics::histogram::Histogram; 2],
+    /// Latency of answered gRPC Reads, by [`service::ReadPath`].
+    pub(crate) grpc_read_seconds: [prometheus_client::metrics::histogram::Histogram; 3],
     /// Leases lost (every extent dropped until the node registers again).
     pub(crate) lease_losses: AtomicU64,
     pub(crate) stale_rejections: AtomicU64,
@@ -117,7 +118,7 @@ impl Node {
             policy: Mutex::new(Policy::default()),
             bytes_served: AtomicU64::new(0),
             grpc_reads: AtomicU64::new(0),
-            grpc_read_seconds: [metrics::latency_histogram(), metrics::latency_histogram()],
+            grpc_read_seconds: std::array::from_fn(|_| metrics::latency_histogram()),
             lease_losses: AtomicU64::new(0),
             stale_rejections: AtomicU64::new(0),
             lease_rejections: AtomicU64::new(0),
@@ -715,7 +716,7 @@ mod frozen_owner_tests {
             _epoch: u64,
             _first: u64,
             count: u64,
-        ) -> Result<(Vec<u8>, Vec<u64>), DaemonError> {
+        ) -> Result<super::ownership::Sourced, DaemonError> {
             if let Some(tx) = self.entered.lock().unwrap().take() {
                 let _ = tx.send(());
             }
@@ -724,7 +725,11 @@ mod frozen_owner_tests {
                 .lock()
                 .unwrap()
                 .recv_timeout(Duration::from_secs(10));
-            Ok((vec![0; (count * PAGE) as usize], vec![0; count as usize]))
+            Ok(super::ownership::Sourced {
+                data: vec![0; (count * PAGE) as usize],
+                generations: vec![0; count as usize],
+                faulted_in: false,
+            })
         }
     }
 

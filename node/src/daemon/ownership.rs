@@ -44,14 +44,26 @@ use super::DaemonError;
 /// one-sidedly). Without one, such reads are refused as a stale map.
 pub(crate) trait PageSource: Send + Sync {
     /// Pages `first..first + count` (all in one extent owned by `owner` at
-    /// `epoch`): their bytes, and each page's generation.
+    /// `epoch`).
     fn read(
         &self,
         owner: &pagewire_proto::v1::MapNode,
         epoch: u64,
         first: u64,
         count: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>), DaemonError>;
+    ) -> Result<Sourced, DaemonError>;
+}
+
+/// Pages a [`PageSource`] read.
+#[derive(Debug)]
+pub(crate) struct Sourced {
+    /// Their bytes, concatenated.
+    pub(crate) data: Vec<u8>,
+    /// Each page's frame generation on its owner.
+    pub(crate) generations: Vec<u64>,
+    /// Whether any page was faulted in on the owner over gRPC (a one-sided
+    /// miss) rather than read one-sidedly.
+    pub(crate) faulted_in: bool,
 }
 
 /// This node's part in one extent at one epoch.

@@ -16,7 +16,7 @@ use pagewire_client::{OwnerPool, PoolConfig};
 use pagewire_proto::v1::MapNode;
 
 use super::DaemonError;
-use super::ownership::PageSource;
+use super::ownership::{PageSource, Sourced};
 
 /// The daemon's pool: the transports' default settings (shm if reachable,
 /// else tcp; `FaultIn` within 2 s), `FaultIn` calls on the daemon's
@@ -49,11 +49,17 @@ impl PageSource for OwnerPool {
         _epoch: u64,
         first: u64,
         count: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>), DaemonError> {
-        self.read_run(owner, first, count)
-            .map_err(|e| DaemonError::OwnerUnavailable {
-                page: e.page(first),
-                reason: e.to_string(),
-            })
+    ) -> Result<Sourced, DaemonError> {
+        let (data, pages) =
+            self.read_run(owner, first, count)
+                .map_err(|e| DaemonError::OwnerUnavailable {
+                    page: e.page(first),
+                    reason: e.to_string(),
+                })?;
+        Ok(Sourced {
+            data,
+            generations: pages.iter().map(|p| p.generation).collect(),
+            faulted_in: pages.iter().any(|p| p.fault_in),
+        })
     }
 }

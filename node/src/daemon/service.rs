@@ -42,6 +42,31 @@ enum Access {
     Write,
 }
 
+/// How a gRPC `Read` was answered: the label of its latency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadPath {
+    /// From this node's cache alone.
+    Local,
+    /// With pages of other nodes' extents, all read one-sidedly.
+    OneSided,
+    /// With at least one page faulted in on its owner over gRPC (a
+    /// one-sided miss).
+    Fallback,
+}
+
+impl ReadPath {
+    /// Every path, in the order of `Node::grpc_read_seconds`, with its label.
+    pub(crate) const ALL: [(ReadPath, &'static str); 3] = [
+        (ReadPath::Local, "local"),
+        (ReadPath::OneSided, "one_sided"),
+        (ReadPath::Fallback, "fallback"),
+    ];
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Where a run of pages is answered from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Segment {
@@ -175,13 +200,14 @@ impl Node {
     /// everything was read, as in [`Node::serve`]: that check, not the lock,
     /// is what bounds how long the map the owners were taken from is
     /// trusted (ARCHITECTURE.md, "Ownership, leases and writes").
-    /// Returns the bytes, each page's frame generation and the epoch.
+    /// Returns the bytes, each page's frame generation, the epoch and how
+    /// the pages were read.
     pub(crate) fn read_pages(
         &self,
         first: u64,
         count: u64,
         map_epoch: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>, u64, bool), DaemonError> {
+    ) -> Result<(Vec<u8>, Vec<u64>, u64, ReadPath), DaemonError> {
         enum Part {
             Cached(Vec<u8>, Vec<u64>),
             Owner(MapNode, u64, u64),
@@ -228,7 +254,7 @@ impl Node {
         };
         let n = usize::try_from(count).unwrap_or(0);
         let (mut data, mut generations) = (Vec::with_capacity(n * ps), Vec::with_capacity(n));
-        let remote = parts.iter().any(|p| matches!(p, Part::Owner(..)));
+        let mut path = ReadPath::Local;
         for part in parts {
             match part {
                 Part::Cached(d, g) => {
@@ -239,16 +265,20 @@ impl Node {
                     let source = self.page_source.as_ref().ok_or_else(|| {
                         DaemonError::Internal("admitted a page source read without one".into())
                     })?;
-                    let (d, g) = source.read(&owner, epoch, first, count)?;
-                    data.extend_from_slice(&d);
-                    generations.extend_from_slice(&g);
+                    let s = source.read(&owner, epoch, first, count)?;
+                    data.extend_from_slice(&s.data);
+                    generations.extend_from_slice(&s.generations);
+                    path = match (path, s.faulted_in) {
+                        (ReadPath::Fallback, _) | (_, true) => ReadPath::Fallback,
+                        _ => ReadPath::OneSided,
+                    };
                 }
             }
         }
         // A node frozen or cut off past its lease must not answer from its
         // old map.
         self.check_lease()?;
-        Ok((data, generations, epoch, remote))
+        Ok((data, generations, epoch, path))
     }
 
     /// Runs `work` with the applied map's read lock held, once the call is
@@ -342,8 +372,8 @@ impl NodeRpc for NodeService {
             let t0 = std::time::Instant::now();
             let r = node.read_pages(first, count, req.map_epoch);
             node.grpc_reads.fetch_add(1, Ordering::Relaxed);
-            let (data, frame_generations, map_epoch, remote) = r?;
-            node.grpc_read_seconds[usize::from(remote)].observe(t0.elapsed().as_secs_f64());
+            let (data, frame_generations, map_epoch, path) = r?;
+            node.grpc_read_seconds[path.index()].observe(t0.elapsed().as_secs_f64());
             node.bytes_served
                 .fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok(ReadResponse {

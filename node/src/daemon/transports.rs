@@ -476,6 +476,18 @@ impl Served {
         0
     }
 
+    /// Reader connections the tcp responder serves now.
+    pub(crate) fn tcp_connections(&self) -> u64 {
+        self.tcp
+            .as_ref()
+            .map_or(0, |(_, r, _)| r.connections() as u64)
+    }
+
+    /// Reader connections the tcp responder accepted since start.
+    pub(crate) fn tcp_accepted(&self) -> u64 {
+        self.tcp.as_ref().map_or(0, |(_, r, _)| r.accepted())
+    }
+
     /// Reader processes refused at `transports.verbs_max_queue_pairs`.
     pub(crate) fn verbs_refused(&self) -> u64 {
         #[cfg(feature = "verbs")]
