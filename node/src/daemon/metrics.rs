@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use super::Node;
@@ -272,9 +272,11 @@ impl prometheus_client::collector::Collector for NodeCollector {
     }
 }
 
-/// A latency histogram's buckets: 10 µs to about 1.3 s, doubling.
+/// A latency histogram in the client library's buckets (10 µs to about
+/// 1.3 s, doubling), so that a node's and a client's read latencies compare
+/// bucket for bucket.
 pub(crate) fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(10e-6, 2.0, 18))
+    Histogram::new(pagewire_client::latency::BOUNDS_SECONDS)
 }
 
 /// The node's metrics, every sample labelled with `node_id`; `refused`:
