@@ -104,6 +104,20 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
+    /// The `/metrics` text of node `id`.
+    fn node_metrics(&self, id: &str) -> String {
+        let nodes = self.json(&["nodes"]);
+        let addr = nodes
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .find(|n| n["node_id"] == id)
+            .and_then(|n| n["metrics_address"].as_str())
+            .unwrap_or_else(|| panic!("no metrics address for {id} in {nodes}"))
+            .to_owned();
+        http_get(&addr, "/metrics")
+    }
+
     fn new(lease_ms: u64) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
@@ -610,12 +624,7 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
     });
     // Refused calls are counted where they were refused, every node sample
     // names its node.
-    let node_metrics = http_get(
-        c.json(&["nodes"])[0]["metrics_address"]
-            .as_str()
-            .expect("node metrics address"),
-        "/metrics",
-    );
+    let node_metrics = c.node_metrics("m1");
     for want in [
         "pagewire_node_grpc_unauthenticated_total{node_id=\"m1\",reason=\"wrong\"} 3\n",
         "pagewire_node_grpc_unauthenticated_total{node_id=\"m1\",reason=\"missing\"} 1\n",
@@ -638,22 +647,6 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
         "pagewire_coordinator_grpc_unauthenticated_total{reason=\"missing\"} 1\n",
     ] {
         assert!(coord.contains(want), "{want:?} missing from:\n{coord}");
-    }
-}
-
-impl Cluster {
-    /// The `/metrics` text of node `id`.
-    fn node_metrics(&self, id: &str) -> String {
-        let nodes = self.json(&["nodes"]);
-        let addr = nodes
-            .as_array()
-            .expect("nodes")
-            .iter()
-            .find(|n| n["node_id"] == id)
-            .and_then(|n| n["metrics_address"].as_str())
-            .unwrap_or_else(|| panic!("no metrics address for {id} in {nodes}"))
-            .to_owned();
-        http_get(&addr, "/metrics")
     }
 }
 
