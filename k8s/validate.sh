@@ -5,8 +5,9 @@
 #   bash k8s/validate.sh
 #
 # 1. renders every overlay with `kubectl kustomize` (tcp, soft-roce, roce,
-#    and roce with the optional hugepages component), with a throwaway token
-#    in a temporary copy of k8s/ (never the operator's k8s/base/cluster-token);
+#    roce with the optional hugepages component, ha, ha-external), with a
+#    throwaway token and throwaway etcd TLS files in a temporary copy of k8s/
+#    (never the operator's k8s/base/cluster-token or certificates);
 # 2. validates every rendered object against the Kubernetes API schemas,
 #    offline and strict (kubernetes-validate, Kubernetes $K8S_VERSION);
 # 3. runs checkov's Kubernetes checks on each rendering, with no network;
@@ -18,7 +19,9 @@
 #    the soft-roce and roce renderings against the tcp one (verbs on there,
 #    off in tcp; the node container the same but for what each overlay must
 #    change: soft-roce's privileged, roce's device resource) and the image
-#    build against the verbs feature.
+#    build against the verbs feature, the ha rendering against the compose
+#    HA cluster (docker-compose.yml with ha.yml) and ha-external against
+#    ha.
 # The renderings are left in target/k8s-validate/.
 set -euo pipefail
 
@@ -69,6 +72,11 @@ trap 'rm -rf "$work"' EXIT
 cp -r "$here/base" "$here/overlays" "$here/components" "$work/"
 rm -f "$work/base/cluster-token"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/base/cluster-token"
+# ha-external's TLS files (git-ignored, no placeholders): kustomize only
+# copies their bytes into the Secret, so any bytes render.
+for f in ca.crt client.crt client.key; do
+    echo "throwaway $f for validate.sh" > "$work/components/ha/external/tls/$f"
+done
 # The hugepages component is off in the roce overlay; render it too.
 mkdir -p "$work/overlays/roce-hugepages"
 cat > "$work/overlays/roce-hugepages/kustomization.yaml" <<'EOF'
@@ -80,7 +88,7 @@ components:
   - ../roce/hugepages
 EOF
 
-variants=(tcp soft-roce roce roce-hugepages)
+variants=(tcp soft-roce roce roce-hugepages ha ha-external)
 rm -rf "$out"
 mkdir -p "$out"
 say "render (kubectl kustomize; $(echo "$kver" | grep -o 'Kustomize Version: v[0-9.]*'))"
@@ -222,17 +230,20 @@ expect 1 "no 'rdma' tool" -- env PATH="$t/empty" /bin/sh "$rx"
 printf '  %d script tests passed (gid-check.sh, rxe-setup.sh)\n' "$ntest"
 
 # --- 5. drift ------------------------------------------------------------------
-say "drift: k8s/overlays/tcp against k8s/compose/docker-compose.yml, soft-roce and roce against tcp, the image (k8s/check_drift.py)"
-[ -f "$here/compose/docker-compose.yml" ] || die "k8s/compose/docker-compose.yml is missing"
+say "drift: k8s/overlays/tcp against k8s/compose/docker-compose.yml, soft-roce and roce against tcp, the image, ha against the compose HA cluster, ha-external against ha (k8s/check_drift.py)"
+for f in docker-compose.yml ha.yml; do
+    [ -f "$here/compose/$f" ] || die "k8s/compose/$f is missing"
+done
 # Render again, unredacted: check_drift compares the ConfigMaps' bytes only,
 # but use the real renderings rather than the rewritten ones.
-for v in tcp soft-roce roce; do
+for v in tcp soft-roce roce ha ha-external; do
     "$kubectl" kustomize "$work/overlays/$v" > "$work/$v.yaml"
 done
 "$py" "$here/check_drift.py" --rendered "$work/tcp.yaml" \
-    --overlay soft-roce="$work/soft-roce.yaml" --overlay roce="$work/roce.yaml" > "$out/drift.log" 2>&1 \
+    --overlay soft-roce="$work/soft-roce.yaml" --overlay roce="$work/roce.yaml" \
+    --overlay ha="$work/ha.yaml" --overlay ha-external="$work/ha-external.yaml" > "$out/drift.log" 2>&1 \
     || { cat "$out/drift.log"; die "the manifests drifted (above)"; }
 grep -E '^\S|FAIL' "$out/drift.log" | sed 's/^/  /'
 
-say "covered: ${#variants[@]} renderings (${variants[*]}), schemas of Kubernetes $K8S_VERSION, checkov, $ntest script tests, drift (compose, RDMA overlays, image); $((SECONDS - installed)) s (+$((installed - start)) s install)"
+say "covered: ${#variants[@]} renderings (${variants[*]}), schemas of Kubernetes $K8S_VERSION, checkov, $ntest script tests, drift (compose, RDMA overlays, image, compose HA); $((SECONDS - installed)) s (+$((installed - start)) s install)"
 echo "validate.sh: ok"
