@@ -406,6 +406,15 @@ impl Config {
             if e.cert_file.is_some() != e.key_file.is_some() {
                 return Err(invalid("etcd", "cert_file and key_file go together"));
             }
+            // TLS to etcd trusts ca_file only (no system roots): without it
+            // no certificate of etcd's could be verified.
+            if e.cert_file.is_some() && e.ca_file.is_none() {
+                return Err(invalid(
+                    "etcd.ca_file",
+                    "required with etcd.cert_file: the CA that signed etcd's certificate \
+                     (the coordinator trusts no other for etcd)",
+                ));
+            }
             if e.username.is_empty() != e.password_file.is_none() {
                 return Err(invalid("etcd", "username and password_file go together"));
             }
@@ -460,6 +469,22 @@ mod tests {
         let cfg: Config = toml::from_str(text).unwrap();
         cfg.validate().unwrap();
         assert_eq!(cfg.map.extent_size, 2 << 20);
+    }
+
+    #[cfg(feature = "etcd")]
+    #[test]
+    fn an_etcd_client_certificate_needs_the_ca() {
+        let mut cfg = Config {
+            store: "etcd://127.0.0.1:2379".into(),
+            advertise: "127.0.0.1:7400".into(),
+            ..Config::default()
+        };
+        cfg.etcd.cert_file = Some("client.crt".into());
+        cfg.etcd.key_file = Some("client.key".into());
+        let e = cfg.validate().expect_err("cert_file without ca_file");
+        assert!(e.to_string().contains("etcd.ca_file"), "{e}");
+        cfg.etcd.ca_file = Some("ca.crt".into());
+        cfg.validate().expect("ca_file, cert_file and key_file");
     }
 
     #[test]
