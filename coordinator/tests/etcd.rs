@@ -2,9 +2,10 @@
 //! `etcd-server`), with real `pagewire-node` daemons and a reader that
 //! verifies every byte it reads against the self-describing file format.
 //!
-//! Needs the `etcd` feature and `etcd` on the PATH. Without the binary the
-//! tests print why and pass, unless `PAGEWIRE_REQUIRE_ETCD=1` (CI sets it),
-//! which makes a missing binary a failure. `pagewire-node` must be built
+//! Needs the `etcd` feature and `etcd` on the PATH (and `openssl` for the
+//! TLS test). Without the etcd binary the tests print why and pass, unless
+//! `PAGEWIRE_REQUIRE_ETCD=1` (CI sets it), which makes a missing binary a
+//! failure. `pagewire-node` must be built
 //! (`cargo build -p pagewire-node`; `cargo test --workspace` builds it).
 //!
 //! Each test prints what it measured (failover times, epochs per leader,
@@ -140,6 +141,9 @@ struct World {
     coords: Vec<Proc>,
     nodes: Vec<Proc>,
     prefix: String,
+    /// Set: etcd serves its clients over TLS and requires client
+    /// certificates (see [`EtcdTls`]).
+    tls: Option<EtcdTls>,
 }
 
 impl Drop for World {
@@ -165,6 +169,140 @@ impl Drop for World {
             }
             p.kill9();
         }
+    }
+}
+
+/// `etcdctl` (API v3) with exactly `args`.
+fn etcdctl(args: &[String]) -> std::process::Output {
+    Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args(args)
+        .output()
+        .expect("run etcdctl")
+}
+
+/// The certificates of the TLS test, made with the `openssl` CLI (P-256
+/// keys, valid two days): a CA; etcd's server certificate from it, for
+/// IP:127.0.0.1 and DNS:localhost (server and client use: etcd's gateway
+/// dials etcd with it); a client certificate from it; and a client
+/// certificate from a second CA, which etcd must refuse.
+struct EtcdTls {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+    other_client_cert: PathBuf,
+    other_client_key: PathBuf,
+}
+
+/// Runs `openssl` with `args` in `dir`; panics with its output if it fails.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run openssl (Debian: apt-get install openssl)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl EtcdTls {
+    fn generate(dir: &Path) -> Self {
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+        for ca in ["ca", "other-ca"] {
+            let mut args = vec!["req", "-x509", "-nodes", "-days", "2"];
+            args.extend(ec);
+            let (key, crt, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.crt"),
+                format!("/CN=pagewire test {ca}"),
+            );
+            args.extend([
+                "-keyout",
+                &key,
+                "-out",
+                &crt,
+                "-subj",
+                &subj,
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign",
+            ]);
+            openssl(dir, &args);
+        }
+        for (name, ca, ext) in [
+            (
+                "etcd-server",
+                "ca",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+            ),
+            ("client", "ca", "extendedKeyUsage=clientAuth\n"),
+            ("other-client", "other-ca", "extendedKeyUsage=clientAuth\n"),
+        ] {
+            let (key, csr, crt, extfile, subj) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+                format!("{name}.ext"),
+                format!("/CN=pagewire test {name}"),
+            );
+            std::fs::write(dir.join(&extfile), ext).expect("extensions file");
+            let mut args = vec!["req", "-nodes"];
+            args.extend(ec);
+            args.extend(["-keyout", &key, "-out", &csr, "-subj", &subj]);
+            openssl(dir, &args);
+            let (ca_crt, ca_key) = (format!("{ca}.crt"), format!("{ca}.key"));
+            openssl(
+                dir,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    &csr,
+                    "-CA",
+                    &ca_crt,
+                    "-CAkey",
+                    &ca_key,
+                    "-CAcreateserial",
+                    "-days",
+                    "2",
+                    "-out",
+                    &crt,
+                    "-extfile",
+                    &extfile,
+                ],
+            );
+        }
+        Self {
+            ca: dir.join("ca.crt"),
+            server_cert: dir.join("etcd-server.crt"),
+            server_key: dir.join("etcd-server.key"),
+            client_cert: dir.join("client.crt"),
+            client_key: dir.join("client.key"),
+            other_client_cert: dir.join("other-client.crt"),
+            other_client_key: dir.join("other-client.key"),
+        }
+    }
+
+    /// `[etcd]` lines: `ca_file` and `cert_file`/`key_file`, each when given.
+    fn config(&self, ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> String {
+        let mut s = String::new();
+        if let Some(ca) = ca {
+            s += &format!("ca_file = \"{}\"\n", ca.display());
+        }
+        if let Some((cert, key)) = identity {
+            s += &format!(
+                "cert_file = \"{}\"\nkey_file = \"{}\"\n",
+                cert.display(),
+                key.display()
+            );
+        }
+        s
     }
 }
 
@@ -202,6 +340,17 @@ async fn coord(port: u16) -> Option<Coord> {
 
 impl World {
     fn new(name: &str) -> Self {
+        Self::start(name, false)
+    }
+
+    /// Three etcd members that serve their clients over TLS only and
+    /// require a client certificate signed by the test's CA; the
+    /// coordinators' config holds the CA, the client certificate and key.
+    fn with_tls(name: &str) -> Self {
+        Self::start(name, true)
+    }
+
+    fn start(name: &str, tls: bool) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
         // The self-describing file, generation 0.
@@ -210,6 +359,7 @@ impl World {
             fill(p as u64, chunk);
         }
         std::fs::write(dir.path().join("data.bin"), &data).expect("backing file");
+        let tls = tls.then(|| EtcdTls::generate(dir.path()));
         let mut w = World {
             etcd_client: (0..3).map(|_| free_port()).collect(),
             etcd_peer: (0..3).map(|_| free_port()).collect(),
@@ -218,30 +368,29 @@ impl World {
             coords: Vec::new(),
             nodes: Vec::new(),
             prefix: format!("/pagewire-test/{name}-{}/", std::process::id()),
+            tls,
             dir,
         };
         for i in 0..3 {
             w.start_etcd(i);
         }
         w.wait_for("etcd to answer", Duration::from_secs(30), |w| {
-            Command::new("etcdctl")
-                .env("ETCDCTL_API", "3")
-                .arg(format!("--endpoints={}", w.endpoints()))
-                .args(["endpoint", "health"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
+            w.etcdctl(&["endpoint", "health"]).status.success()
         });
-        std::fs::write(
-            w.path("coordinator.toml"),
-            format!(
-                "[etcd]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\nrequest_timeout_ms = 2000\n",
-                w.prefix
-            ),
-        )
-        .expect("config");
+        let extra = w.tls.as_ref().map_or_else(String::new, |t| {
+            t.config(Some(&t.ca), Some((&t.client_cert, &t.client_key)))
+        });
+        std::fs::write(w.path("coordinator.toml"), w.config(&extra)).expect("config");
         w
+    }
+
+    /// The coordinator's config: the `[etcd]` section every test uses,
+    /// then `extra` (more lines of that section).
+    fn config(&self, extra: &str) -> String {
+        format!(
+            "[etcd]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\nrequest_timeout_ms = 2000\n{extra}",
+            self.prefix
+        )
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -264,6 +413,11 @@ impl World {
             .join(",")
     }
 
+    /// `https` when etcd serves its clients over TLS, else `http`.
+    fn client_scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
+
     fn start_etcd(&mut self, i: usize) {
         let cluster = (0..3)
             .map(|j| format!("e{j}=http://127.0.0.1:{}", self.etcd_peer[j]))
@@ -276,13 +430,24 @@ impl World {
             .open(&log)
             .expect("log");
         let (c, p) = (self.etcd_client[i], self.etcd_peer[i]);
-        let child = Command::new("etcd")
+        let scheme = self.client_scheme();
+        let mut cmd = Command::new("etcd");
+        if let Some(t) = &self.tls {
+            cmd.arg("--client-cert-auth")
+                .arg("--trusted-ca-file")
+                .arg(&t.ca)
+                .arg("--cert-file")
+                .arg(&t.server_cert)
+                .arg("--key-file")
+                .arg(&t.server_key);
+        }
+        let child = cmd
             .arg("--name")
             .arg(format!("e{i}"))
             .arg("--data-dir")
             .arg(self.path(&format!("etcd-{i}")))
-            .arg(format!("--listen-client-urls=http://127.0.0.1:{c}"))
-            .arg(format!("--advertise-client-urls=http://127.0.0.1:{c}"))
+            .arg(format!("--listen-client-urls={scheme}://127.0.0.1:{c}"))
+            .arg(format!("--advertise-client-urls={scheme}://127.0.0.1:{c}"))
             .arg(format!("--listen-peer-urls=http://127.0.0.1:{p}"))
             .arg(format!(
                 "--initial-advertise-peer-urls=http://127.0.0.1:{p}"
@@ -302,13 +467,23 @@ impl World {
         put(&mut self.etcd, i, proc);
     }
 
+    /// `etcdctl` on every member, with the test's CA and client
+    /// certificate when etcd serves TLS.
     fn etcdctl(&self, args: &[&str]) -> std::process::Output {
-        Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={}", self.endpoints()))
-            .args(args)
-            .output()
-            .expect("run etcdctl")
+        let urls = self
+            .etcd_client
+            .iter()
+            .map(|p| format!("{}://127.0.0.1:{p}", self.client_scheme()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut all = vec![format!("--endpoints={urls}")];
+        if let Some(t) = &self.tls {
+            all.push(format!("--cacert={}", t.ca.display()));
+            all.push(format!("--cert={}", t.client_cert.display()));
+            all.push(format!("--key={}", t.client_key.display()));
+        }
+        all.extend(args.iter().map(|a| (*a).to_owned()));
+        etcdctl(&all)
     }
 
     fn start_coordinator(&mut self, i: usize) {
@@ -318,6 +493,12 @@ impl World {
 
     /// Starts coordinator `i` reaching etcd through `endpoints` only.
     fn start_coordinator_on(&mut self, i: usize, endpoints: &str) {
+        let config = self.path("coordinator.toml");
+        self.start_coordinator_with(i, endpoints, &config);
+    }
+
+    /// Starts coordinator `i` with the config file `config`.
+    fn start_coordinator_with(&mut self, i: usize, endpoints: &str, config: &Path) {
         let log = self.path(&format!("coordinator-{i}.log"));
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -326,7 +507,7 @@ impl World {
             .expect("log");
         let child = Command::new(coordinator_bin())
             .arg("--config")
-            .arg(self.path("coordinator.toml"))
+            .arg(config)
             .arg("--listen")
             .arg(format!("127.0.0.1:{}", self.coord_ports[i]))
             .args(["--metrics-listen", "127.0.0.1:0"])
@@ -1100,12 +1281,10 @@ fn etcd_with_authentication_needs_the_user_and_password() {
     w.coords[0].kill9();
     // With them: it leads, and a node registers.
     std::fs::write(w.path("etcd-password"), "pw-secret\n").expect("password file");
-    let cfg = format!(
-        "[etcd]\nprefix = \"{}\"\nlease_ttl_s = {TTL_S}\nrequest_timeout_ms = 2000\n\
-         username = \"pagewire\"\npassword_file = \"{}\"\n",
-        w.prefix,
+    let cfg = w.config(&format!(
+        "username = \"pagewire\"\npassword_file = \"{}\"\n",
         w.path("etcd-password").display()
-    );
+    ));
     std::fs::write(w.path("coordinator.toml"), cfg).expect("config");
     w.start_coordinator(0);
     w.wait_for("a leader with credentials", Duration::from_secs(30), |w| {
@@ -1205,5 +1384,170 @@ fn a_follower_cut_off_from_etcd_streams_no_stale_map() {
         "coordinator-1 to stream the current map",
         Duration::from_secs(15),
         |w| w.first_watched(1).is_ok_and(|e| e == e2),
+    );
+}
+
+/// etcd over TLS with client certificates, made at test time with the
+/// `openssl` CLI ([`EtcdTls`]). The three members serve their clients over
+/// https only and require a certificate from the test's CA
+/// (`--client-cert-auth`); they talk to each other over plain http on
+/// loopback. First etcdctl shows that etcd refuses a plain connection, one
+/// without a client certificate and one with another CA's, so a coordinator
+/// that leads here went through TLS with its certificate. Coordinators with
+/// those three configs do not lead, and their logs and Status say which
+/// endpoints refused them and why; one with `cert_file` but no `ca_file`
+/// does not start. With `ca_file`, `cert_file` and `key_file` two
+/// coordinators elect a leader, a node registers and the map is published;
+/// after kill -9 of the leader the other leads within about the lease.
+#[test]
+fn etcd_over_tls_needs_the_ca_and_a_client_certificate() {
+    if !etcd_available() {
+        return;
+    }
+    let t0 = Instant::now();
+    let mut w = World::with_tls("tls");
+    let t = w.tls.as_ref().expect("TLS files");
+    let (ca, other) = (
+        t.ca.clone(),
+        (t.other_client_cert.clone(), t.other_client_key.clone()),
+    );
+    let member = format!("127.0.0.1:{}", w.etcd_client[0]);
+    let no_cert = t.config(Some(&ca), None);
+    let other_cert = t.config(Some(&ca), Some((&other.0, &other.1)));
+
+    // etcd itself refuses what is not TLS with a certificate of the CA.
+    let quick = ["--dial-timeout=1s", "--command-timeout=2s", "get", "probe"];
+    for (what, mut args) in [
+        ("plain http", vec![format!("--endpoints=http://{member}")]),
+        (
+            "no client certificate",
+            vec![
+                format!("--endpoints=https://{member}"),
+                format!("--cacert={}", ca.display()),
+            ],
+        ),
+        (
+            "another CA's client certificate",
+            vec![
+                format!("--endpoints=https://{member}"),
+                format!("--cacert={}", ca.display()),
+                format!("--cert={}", other.0.display()),
+                format!("--key={}", other.1.display()),
+            ],
+        ),
+    ] {
+        args.extend(quick.map(String::from));
+        let out = etcdctl(&args);
+        assert!(
+            !out.status.success(),
+            "etcd answered etcdctl with {what}: TLS is not enforced"
+        );
+    }
+    assert!(
+        w.etcdctl(&quick).status.success(),
+        "etcdctl with the CA's client certificate"
+    );
+    eprintln!(
+        "TLS: certificates made and etcd up, refusing plain, anonymous and other-CA clients, \
+         after {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+
+    // The three configs etcd refuses: none leads, and each says which
+    // endpoints refused it and why, in its log and in Status.
+    let endpoints = w.endpoints();
+    let cases = [
+        (
+            String::new(),
+            "etcd serves TLS (https) but this coordinator speaks plain http: set etcd.ca_file",
+        ),
+        (
+            no_cert,
+            "it requires a client certificate; set etcd.cert_file and etcd.key_file",
+        ),
+        (
+            other_cert,
+            "etcd refused this coordinator's client certificate etcd.cert_file",
+        ),
+    ];
+    for (i, (extra, _)) in cases.iter().enumerate() {
+        let cfg = w.path(&format!("coordinator-{i}-refused.toml"));
+        std::fs::write(&cfg, w.config(extra)).expect("config");
+        w.start_coordinator_with(i, &endpoints, &cfg);
+    }
+    let named = |text: &str| text.contains(&format!("etcd {}", endpoints.replace(',', ", ")));
+    for (i, (_, why)) in cases.iter().enumerate() {
+        w.wait_for("the refusal in the log", Duration::from_secs(20), |w| {
+            let log = w.coords[i].log_text();
+            log.contains(why) && named(&log)
+        });
+        let st = w.status(i).expect("a refused coordinator answers Status");
+        assert_ne!(st.role(), CoordinatorRole::Leader, "coordinator-{i}");
+        assert!(
+            st.store_problem.contains(why) && named(&st.store_problem),
+            "coordinator-{i}: {}",
+            st.store_problem
+        );
+        eprintln!("refused config {i}: {}", st.store_problem);
+    }
+    for c in &mut w.coords {
+        c.kill9();
+    }
+    // A client certificate without ca_file is refused at start.
+    let no_ca = w.path("coordinator-no-ca.toml");
+    let t = w.tls.as_ref().expect("TLS files");
+    let identity = t.config(None, Some((&t.client_cert, &t.client_key)));
+    std::fs::write(&no_ca, w.config(&identity)).expect("config");
+    w.start_coordinator_with(0, &endpoints, &no_ca);
+    let exit = w.coords[0]
+        .child
+        .as_mut()
+        .expect("running")
+        .wait()
+        .expect("wait");
+    w.coords[0].child = None;
+    let log = w.coords[0].log_text();
+    assert!(
+        !exit.success() && log.contains("etcd.ca_file"),
+        "{exit:?}: {log}"
+    );
+
+    // With the CA's client certificate: a leader, a node, a map.
+    w.start_coordinator(0);
+    w.start_coordinator(1);
+    let both = [0, 1];
+    w.wait_for("a leader over TLS", Duration::from_secs(30), |w| {
+        w.leader(&both).is_some()
+    });
+    w.start_node("node-a");
+    let old = w.leader(&both).expect("leader");
+    let m = w.wait_settled(old, 1);
+    let other = 1 - old;
+    w.wait_for("the other to follow", Duration::from_secs(30), |w| {
+        w.status(other)
+            .is_some_and(|s| s.role() == CoordinatorRole::Follower && s.store_problem.is_empty())
+    });
+
+    // kill -9 of the leader: the other leads after its lease ran out.
+    let t1 = Instant::now();
+    w.coords[old].kill9();
+    let took = w.wait_for("a new leader over TLS", Duration::from_secs(30), |w| {
+        w.leader(&[other]).is_some()
+    });
+    assert!(
+        took < Duration::from_secs(2 * TTL_S),
+        "failover took {took:?}, the lease is {TTL_S} s"
+    );
+    let e = w
+        .register_absent(other, "absent-a")
+        .expect("a map change through the new leader");
+    assert!(e > m.epoch, "{e} after {}", m.epoch);
+    eprintln!(
+        "etcd over TLS: coordinator-{old} led and published epoch {}; after its kill -9 \
+         coordinator-{other} led in {:.2} s (etcd lease {TTL_S} s) and published epoch {e}; \
+         {:.2} s in all",
+        m.epoch,
+        t1.elapsed().as_secs_f64(),
+        t0.elapsed().as_secs_f64()
     );
 }
