@@ -63,6 +63,11 @@ pub struct Config {
     pub etcd: EtcdConfig,
 }
 
+/// What a leader failover takes beyond `etcd.lease_ttl_s`: etcd's own
+/// election when a member died too, the new leader reading the state back,
+/// and scheduling on a loaded host.
+pub const FAILOVER_SLACK_MS: u64 = 1000;
+
 /// The `[etcd]` section: how to reach etcd when `store` is `etcd://...`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -449,6 +454,37 @@ impl Config {
         }
     }
 
+    /// With the etcd store, why a leader's death would cost every node its
+    /// lease, or `None`. No node lease is renewed from the leader's death
+    /// until another leads: up to `etcd.lease_ttl_s` (its etcd lease runs
+    /// out) plus etcd's own election and the new leader's start
+    /// ([`FAILOVER_SLACK_MS`]). A node's last renewal can be a heartbeat
+    /// interval older than the death, so a node lease shorter than the sum
+    /// runs out at every failover, and every node registers again (a new
+    /// incarnation; its one-sided readers reconnect). Measured in the compose
+    /// HA cluster: with `lease_ms` 3000 and `lease_ttl_s` 3, all three nodes
+    /// registered again after `docker kill` of the leader; with 6000 and 2,
+    /// none did.
+    pub fn failover_outlasts_node_leases(&self) -> Option<String> {
+        if !self.store.starts_with("etcd://") {
+            return None;
+        }
+        let failover = self.etcd.lease_ttl_s * 1000 + FAILOVER_SLACK_MS;
+        let need = failover + self.heartbeat_interval_ms();
+        (self.lease_ms < need).then(|| {
+            format!(
+                "lease_ms {} is shorter than a leader failover (etcd.lease_ttl_s {} s + about {} \
+                 ms) plus a heartbeat interval ({} ms): at a leader's death every node's lease \
+                 runs out and every node registers again; make lease_ms at least {need} (or \
+                 etcd.lease_ttl_s smaller)",
+                self.lease_ms,
+                self.etcd.lease_ttl_s,
+                FAILOVER_SLACK_MS,
+                self.heartbeat_interval_ms()
+            )
+        })
+    }
+
     /// The heartbeat interval handed to nodes.
     pub fn heartbeat_interval_ms(&self) -> u64 {
         if self.heartbeat_interval_ms == 0 {
@@ -485,6 +521,32 @@ mod tests {
         assert!(e.to_string().contains("etcd.ca_file"), "{e}");
         cfg.etcd.ca_file = Some("ca.crt".into());
         cfg.validate().expect("ca_file, cert_file and key_file");
+    }
+
+    #[test]
+    fn a_node_lease_shorter_than_a_failover_is_named() {
+        let mut cfg = Config {
+            store: "etcd://127.0.0.1:2379".into(),
+            advertise: "127.0.0.1:7400".into(),
+            lease_ms: 3000,
+            ..Config::default()
+        };
+        cfg.etcd.lease_ttl_s = 3;
+        let w = cfg
+            .failover_outlasts_node_leases()
+            .expect("3 s lease, 3 s etcd lease");
+        assert!(
+            w.contains("lease_ms 3000") && w.contains("at least 5000"),
+            "{w}"
+        );
+        // The HA deployment's settings (k8s/components/ha/coordinator.toml).
+        cfg.lease_ms = 6000;
+        cfg.etcd.lease_ttl_s = 2;
+        assert_eq!(cfg.failover_outlasts_node_leases(), None);
+        // One coordinator: no failover.
+        cfg.store = "file".into();
+        cfg.lease_ms = 1000;
+        assert_eq!(cfg.failover_outlasts_node_leases(), None);
     }
 
     #[test]

@@ -333,6 +333,9 @@ pub async fn run(
         .max_encoding_message_size(256 << 20),
         check,
     );
+    if let Some(why) = cfg.failover_outlasts_node_leases() {
+        tracing::warn!("{why}");
+    }
     tracing::info!(
         grpc = %grpc_addr,
         metrics = %metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string()),
