@@ -9,9 +9,14 @@
 # 2. the image, built offline on a debootstrapped Debian base
 #    (k8s/image/build.sh), pagewire-node with its verbs transport, and the
 #    RDMA libraries in it;
-# 3. the five compose scenarios, every read verified
-#    (k8s/compose/scenarios.py), the cluster kept up after them;
-# 4. a real Prometheus scraping that cluster under a read load: every
+#    and the etcd image (k8s/image/etcd.sh, Debian's etcd on the same base);
+# 3. the compose scenarios on the highly available cluster (three etcd
+#    members, three coordinators: docker-compose.yml plus ha.yml), every
+#    read verified (k8s/compose/scenarios.py --ha): the five of the single
+#    cluster and four of coordinator and etcd failures; the cluster kept up
+#    after them;
+# 4. a real Prometheus scraping that cluster (every coordinator, every
+#    node) under a read load: every
 #    dashboard query and alert operand must return data, promtool must
 #    accept the rules (k8s/monitoring/check.sh); then the cluster goes.
 set -euo pipefail
@@ -36,31 +41,36 @@ bash k8s/validate.sh
 step "image, offline"
 bash k8s/image/build.sh | tee "$out/image.log"
 
+step "etcd image, offline"
+bash k8s/image/etcd.sh | tee "$out/etcd-image.log"
+
 cleanup() {
-    docker-compose -p "$project" -f k8s/compose/docker-compose.yml --profile tools down -v --remove-orphans >/dev/null 2>&1 || true
+    docker-compose -p "$project" -f k8s/compose/docker-compose.yml -f k8s/compose/ha.yml --profile tools \
+        down -v --remove-orphans >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
-step "compose scenarios (kill, rolling SIGTERM restart, partition, pause, coordinator restart)"
-python3 k8s/compose/scenarios.py --project "$project" --keep --json-out "$out/scenarios.json"
+step "compose HA scenarios (kill, rolling SIGTERM restart, partition, pause, coordinator restart; leader kill, coordinators' rolling restart, etcd member loss, leader cut off from etcd)"
+python3 k8s/compose/scenarios.py --ha --project "$project" --keep --json-out "$out/scenarios.json"
 
 step "monitoring: Prometheus against the compose cluster"
 # The token lives in the cluster's own volume; the host reads the
 # containers' ports over the compose bridge.
 docker run --rm -v "${project}_token:/t:ro" --entrypoint cat pagewire:dev /t/token > "$out/token"
 chmod 0600 "$out/token"
-# An operator's drain and undrain: the coordinator restarted in scenario 5
-# and has saved nothing since, so its store-save panels would have no
-# observation to show.
-pwctl=(target/release/pwctl --coordinator 10.213.7.10:7400 --token-file "$out/token")
+# An operator's drain and undrain: the leader restarted in scenario 5 (or
+# elected since) may have saved nothing yet, so its store-save panels would
+# have no observation to show.
+coordinators=10.213.7.10:7400,10.213.7.14:7400,10.213.7.15:7400
+pwctl=(target/release/pwctl --coordinator "$coordinators" --token-file "$out/token")
 "${pwctl[@]}" drain node-3 --wait 15
 "${pwctl[@]}" undrain node-3
 bash k8s/monitoring/check.sh \
-    --coordinator 10.213.7.10:7401 \
+    --coordinator 10.213.7.10:7401,10.213.7.14:7401,10.213.7.15:7401 \
     --node 10.213.7.11:7501,10.213.7.12:7501,10.213.7.13:7501 \
     --token-file "$out/token" \
-    --storm 10.213.7.10:7400 --bench target/release/pagewire-bench \
+    --storm "$coordinators" --bench target/release/pagewire-bench \
     --proxy-reads 10.213.7.11:7500,10.213.7.12:7500,10.213.7.13:7500 \
-    --provoke-rpc-error 10.213.7.10:7400
+    --provoke-rpc-error "$coordinators"
 
 step "done"

@@ -51,7 +51,7 @@ and checks, each printed as OK or FAIL:
     /etc/pagewire/coordinator.toml --advertise NAME:7400` (compose: its
     service name; k8s: $(POD_NAME) under the headless Service), both
     mounting k8s/components/ha/coordinator.toml, which is the base's
-    coordinator.toml but for store, advertise, state_file and [etcd] and
+    coordinator.toml but for store, advertise, state_file, lease_ms and [etcd] and
     whose store names every etcd member; the nodes, tools and admin pod
     given all three coordinators (and the nodes' preStop drain); three etcd
     members of the image k8s/image/etcd.sh builds, named and found the same
@@ -625,7 +625,9 @@ ETCD_ENTRYPOINT = K8S / "image" / "etcd-entrypoint.sh"
 # What the HA coordinator.toml may change in the base's: the store (etcd),
 # the advertised name (each coordinator's own, from --advertise), the file
 # store's state file (unused) and the [etcd] section.
-HA_TOML_KEYS = {"store", "advertise", "state_file", "etcd"}
+# lease_ms too: the node lease must outlast a leader failover (the etcd
+# lease) plus a heartbeat interval (k8s/components/ha/coordinator.toml).
+HA_TOML_KEYS = {"store", "advertise", "state_file", "lease_ms", "etcd"}
 # What ha-external's coordinator.toml may change in ha's: the endpoints and
 # the [etcd] keys of TLS and etcd's own user.
 HA_EXTERNAL_ETCD_KEYS = {"ca_file", "cert_file", "key_file", "domain", "username", "password_file"}

@@ -23,8 +23,34 @@ and a prober that sweeps one page of every extent):
   4 pause      `docker pause` a node for longer than its lease, unpause: it
                re-registers (a new incarnation), serves nothing stale
                (0 wrong and 0 stale reads) and rejoins.
-  5 coordinator `docker restart` the coordinator: the same epoch and the same
-               owner of every extent before and after (and a lease later).
+  5 coordinator `docker restart` the coordinator (with --ha, the leading
+               one): the same epoch and the same owner of every extent
+               before and after (and a lease later).
+
+With --ha the cluster is docker-compose.yml plus ha.yml: three etcd members
+and three coordinators (one leads, elected on an etcd lease), and four more
+scenarios run on it, each with 0 failed, 0 wrong and 0 stale reads:
+
+  6 leader-kill `docker kill` the leading coordinator: time until another
+               leads (within the etcd lease), the same map and no node
+               registering again a node lease later, a map change under the
+               new leader; the killed one comes back a follower.
+  7 coordinators-rolling  `docker stop` (SIGTERM) and start each
+               coordinator, the leader last: each exits 0, the leader hands
+               over at once, the map and every node's incarnation unchanged.
+  8 etcd-loss  `docker kill` one etcd member (a map change still goes
+               through, 0 failed reads), then a second: every coordinator
+               reports the store problem and none leads, a map change is
+               refused with UNAVAILABLE, the epoch stays; reads go on for
+               as long as the readers' trust in their map and the nodes'
+               leases last (at least half a lease; measured), then wait for
+               a leader (those past their deadline fail, counted); a member
+               back: a leader again, reads flow and map changes resume.
+  9 leader-cut-off  `docker network disconnect` the leader from the etcd
+               network only (nodes and readers still reach it): another
+               leads within the etcd lease, the old one says why it stopped,
+               a map change goes through (the old one refuses, naming the
+               new leader); healed, it is a follower again.
 
 Every wait has a timeout; the cluster is torn down at the end whatever
 happens (--keep leaves it up). Prints what each scenario covered and
@@ -32,7 +58,7 @@ measured, then one JSON summary line (also --json-out FILE). Exit status: 0
 when every expectation held, 1 when one failed (a wrong or stale read among
 them), 2 on a usage or set-up error.
 
-  k8s/compose/scenarios.py [--only 1,3] [-f override.yml] [--keep]
+  k8s/compose/scenarios.py [--ha] [--only 1,3] [-f override.yml] [--keep]
 
 Python 3 standard library only; needs docker and docker-compose (1.29).
 """
@@ -54,7 +80,14 @@ NODE_IP = {"node-1": "10.213.7.11", "node-2": "10.213.7.12", "node-3": "10.213.7
 # Where scenario 1 restarts a killed node (outside the compose file's
 # 10.213.7.128/25 pool for other containers).
 NEW_IP = {"node-2": "10.213.7.22"}
-NAMES = {1: "kill", 2: "rolling", 3: "partition", 4: "pause", 5: "coordinator"}
+NAMES = {1: "kill", 2: "rolling", 3: "partition", 4: "pause", 5: "coordinator",
+         6: "leader-kill", 7: "coordinators-rolling", 8: "etcd-loss", 9: "leader-cut-off"}
+# The HA cluster (--ha: docker-compose.yml plus ha.yml): three coordinators
+# over three etcd members; scenarios 6 to 9 need it.
+HA = os.path.join(HERE, "ha.yml")
+COORDS_HA = ["pagewire-coordinator", "pagewire-coordinator-2", "pagewire-coordinator-3"]
+ETCDS = ["pagewire-etcd-0", "pagewire-etcd-1", "pagewire-etcd-2"]
+HA_ONLY = {6, 7, 8, 9}
 
 
 class Failed(Exception):
@@ -84,12 +117,20 @@ class Cluster:
     def __init__(self, args):
         self.args = args
         self.base = ["docker-compose", "-p", args.project, "-f", COMPOSE]
+        if args.ha:
+            self.base += ["-f", HA]
+        # The coordinators' and etcd members' service names.
+        self.coords = COORDS_HA if args.ha else ["pagewire-coordinator"]
+        self.etcds = ETCDS if args.ha else []
         for f in args.override:
             self.base += ["-f", f]
         self.base += ["--profile", "tools"]
         self.ids = {}
         self.network = None
+        self.etcd_network = None
         self.lease_s = 3.0
+        # The coordinators' etcd lease (k8s/components/ha/coordinator.toml).
+        self.etcd_ttl_s = 3.0
 
     def compose(self, *a, timeout=120, check=True):
         env_cmd = self.base + list(a)
@@ -98,10 +139,11 @@ class Cluster:
     def up(self):
         os.environ["PAGEWIRE_IMAGE"] = self.args.image
         os.environ["PAGEWIRE_FILE_MIB"] = str(self.args.file_mib)
+        os.environ["PAGEWIRE_ETCD_IMAGE"] = self.args.etcd_image
         log(f"compose: down -v (a clean start), then up -d (project {self.args.project})")
         self.compose("down", "-v", "--remove-orphans", "-t", "5", timeout=120)
         self.compose("up", "-d", timeout=180)
-        for s in ["pagewire-coordinator", "tools"] + NODES:
+        for s in self.coords + self.etcds + ["tools"] + NODES:
             cid = self.compose("ps", "-q", s, timeout=30).strip()
             if not cid:
                 raise Failed(f"compose started no container for {s}")
@@ -110,6 +152,11 @@ class Cluster:
             run(["docker", "inspect", "-f", "{{json .NetworkSettings.Networks}}", self.ids["node-1"]])
         )
         self.network = next(iter(nets))
+        if self.etcds:
+            nets = json.loads(
+                run(["docker", "inspect", "-f", "{{json .NetworkSettings.Networks}}", self.ids[self.etcds[0]]])
+            )
+            self.etcd_network = next(iter(nets))
 
     def down(self):
         if self.args.keep:
@@ -141,6 +188,41 @@ class Cluster:
             return json.loads(out) if out.strip() else None
         except (Failed, ValueError):
             return None
+
+    def pwctl(self, *a, coordinator=None, timeout=10):
+        """Runs pwctl in the tools container (at `coordinator`, a service
+        name, or the list of all); returns (exit status, stdout + stderr)."""
+        at = ["--coordinator", f"{coordinator}:7400"] if coordinator else []
+        cmd = ["docker", "exec", self.ids["tools"], "pwctl", "--token-file", TOKEN, "--timeout-ms", "1000",
+               *at, *a]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"timed out after {timeout} s"
+        return p.returncode, (p.stdout + p.stderr).strip()
+
+    def roles(self):
+        """{coordinator service: its `pwctl status --json` or None}, every
+        coordinator asked directly, at once."""
+        script = " ".join(
+            f"(o=$(pwctl --token-file {TOKEN} --timeout-ms 700 --coordinator {c}:7400 status --json "
+            f"2>/dev/null | tr -d '\\n'); echo \"{c} $o\") &" for c in self.coords) + " wait"
+        out = run(["docker", "exec", self.ids["tools"], "bash", "-c", script], timeout=15, check=False)
+        got = {c: None for c in self.coords}
+        for line in out.splitlines():
+            name, _, js = line.partition(" ")
+            if name in got and js.strip():
+                try:
+                    got[name] = json.loads(js)
+                except ValueError:
+                    pass
+        return got
+
+    def leader(self, roles=None):
+        """The service name of the coordinator that says it leads, or None."""
+        roles = roles or self.roles()
+        leaders = [c for c, s in roles.items() if s and s.get("role") == "leader"]
+        return leaders[0] if len(leaders) == 1 else None
 
     def nodes(self):
         try:
@@ -201,7 +283,7 @@ class Cluster:
 
     def repair(self):
         """After a failed scenario: every container running, drained nodes undrained."""
-        for s in ["pagewire-coordinator"] + NODES:
+        for s in self.etcds + self.coords + NODES:
             st = self.health(s)[0]
             if st == "paused":
                 self.docker("unpause", self.ids[s], check=False)
@@ -213,6 +295,11 @@ class Cluster:
                 if self.network not in nets:
                     self.docker("network", "connect", "--ip", NODE_IP[n], "--alias", n, self.network,
                                 self.ids[n], check=False)
+        if self.etcd_network:
+            for co in self.coords:
+                nets = self.docker("inspect", "-f", "{{json .NetworkSettings.Networks}}", self.ids[co], check=False)
+                if self.etcd_network not in nets:
+                    self.docker("network", "connect", self.etcd_network, self.ids[co], check=False)
         time.sleep(self.lease_s)
         m = self.map()
         for n in (m or {}).get("nodes", []):
@@ -221,11 +308,13 @@ class Cluster:
                 self.tools("pwctl", "--token-file", TOKEN, "undrain", n["node_id"], check=False)
 
     def wait_cluster(self, timeout=120):
+        everyone = self.etcds + self.coords + NODES
+
         def whole():
-            for s in ["pagewire-coordinator"] + NODES:
+            for s in everyone:
                 if self.health(s)[0] in ("exited", "dead"):
                     raise Failed(f"{s} exited:\n{self.logs([s], tail=15)}")
-            return self.ready(["pagewire-coordinator"] + NODES) and self.settled(self.map())
+            return self.ready(everyone) and self.settled(self.map()) and (not self.etcds or self.leader())
         _, s = self.wait("every container healthy and the map settled", whole, timeout, every=0.5)
         return s
 
@@ -309,9 +398,14 @@ class ReadLoop:
                         return s, e
         return None
 
-    def summary(self, from_ms=0):
+    def served_until(self, since_ms):
+        """unix ms of the last tick after `since_ms` that had reads answered."""
         with self.lock:
-            ts = [t for t in self.ticks if t["unix_ms"] >= from_ms]
+            return max((t["unix_ms"] for t in self.ticks if t["unix_ms"] > since_ms and t["ok"] > 0), default=None)
+
+    def summary(self, from_ms=0, until_ms=None):
+        with self.lock:
+            ts = [t for t in self.ticks if t["unix_ms"] >= from_ms and (until_ms is None or t["unix_ms"] < until_ms)]
         tot = {k: sum(t[k] for t in ts) for k in ["ok", "err", "wrong", "stale", "wr", "wr_err"]}
         tot["max_read_ms"] = max((t["max_ms"] for t in ts), default=0.0)
         samples = [s for t in ts for s in t["samples"]]
@@ -360,7 +454,7 @@ class Runner:
         res["expect"].append(["0 stale reads", stale == 0, stale])
         res["ok"] = "error" not in res and all(e[1] for e in res["expect"])
         if not res["ok"]:
-            res["logs"] = self.c.logs(["pagewire-coordinator"] + NODES, tail=30)
+            res["logs"] = self.c.logs(self.c.etcds + self.c.coords + NODES, tail=30)
         self.results.append(res)
         tm = "  ".join(f"{k}={v}" for k, v in res["timings"].items())
         log(f"scenario {num} ({name}): {'ok' if res['ok'] else 'FAILED'}  {tm}  reads ok={reads['ok']} "
@@ -522,18 +616,20 @@ class Runner:
         res["node_log_after_unpause"] = [l for l in (logs or "").splitlines()
                                          if "lease" in l or "register" in l][:6]
 
-    # 5: coordinator restart.
+    # 5: coordinator restart (on the HA cluster: the leader's).
     def coordinator(self, rl, res):
         c, lease = self.c, self.c.lease_s
         before = c.map()
         if not before:
             raise Failed("no map before the restart")
+        target = (c.leader() if c.etcds else None) or c.coords[0]
+        res["timings"]["restarted"] = target
         t0 = time.time()
-        c.docker("restart", "-t", "10", c.ids["pagewire-coordinator"], timeout=60)
+        c.docker("restart", "-t", "10", c.ids[target], timeout=60)
         res["timings"]["docker_restart_s"] = round(time.time() - t0, 2)
         after, _ = c.wait("the coordinator to answer again", c.map, timeout=60)
         res["timings"]["map_served_after_s"] = round(time.time() - t0, 2)
-        c.wait("the coordinator ready", lambda: c.ready(["pagewire-coordinator"]), timeout=60)
+        c.wait("the coordinator ready", lambda: c.ready([target]), timeout=60)
         res["timings"]["ready_after_s"] = round(time.time() - t0, 2)
         time.sleep(lease * 1.5)
         later = c.map()
@@ -547,28 +643,222 @@ class Runner:
         self.expect(res, "same epoch and owners a lease and a half later", l == b,
                     "same" if l == b else (l and l["epoch"]))
 
+    # The HA scenarios' common parts.
+    def new_leader(self, res, old, t0, what):
+        """Waits until a coordinator other than `old` leads; records and
+        checks the time from `t0` (the fault) against the etcd lease."""
+        c, ttl = self.c, self.c.etcd_ttl_s
+
+        def other():
+            lead = c.leader()
+            return lead if lead and lead != old else None
+        new, _ = c.wait(f"a coordinator other than {old} to lead", other, timeout=ttl * 4 + 15, every=0.1)
+        took = round(time.time() - t0, 2)
+        res["timings"]["new_leader_s"] = took
+        res["timings"]["new_leader"] = new
+        self.expect(res, f"{what}: a new leader within the etcd lease (+1 s for this poll: {ttl + 1:.1f} s)",
+                    took <= ttl + 1, took)
+        return new
+
+    def unchanged(self, res, before, nodes_before, what):
+        """The map's epoch and owners, and every node's incarnation, are
+        what they were before (no map change, no node lost its lease)."""
+        c = self.c
+        after, n_after = c.map(), c.nodes() or {}
+        strip = lambda m: m and (m["epoch"], m.get("runs"))
+        self.expect(res, f"{what}: the same epoch and owners", strip(after) == strip(before),
+                    f"{before['epoch']}->{after and after['epoch']}")
+        inc = lambda ns: {k: v.get("incarnation") for k, v in ns.items()}
+        self.expect(res, f"{what}: no node registered again (none lost its lease)",
+                    inc(n_after) == inc(nodes_before), "same" if inc(n_after) == inc(nodes_before)
+                    else f"{inc(nodes_before)} -> {inc(n_after)}")
+
+    def no_failed_reads(self, rl, res, since_ms, what, until_ms=None):
+        time.sleep(1)
+        r = rl.summary(since_ms, until_ms)
+        self.expect(res, f"0 failed reads {what}", r["err"] == 0, r["err"])
+
+    def map_change(self, res, what, timeout, node="node-3"):
+        """`pwctl drain NODE --wait` then `undrain`, retried until both are
+        taken or `timeout`; waits for the map to settle; returns seconds."""
+        c = self.c
+        t0 = time.time()
+        last = ""
+        for verb in (["drain", node, "--wait", "20"], ["undrain", node]):
+            while True:
+                rc, out = c.pwctl(*verb, timeout=40)
+                if rc == 0:
+                    break
+                last = out.splitlines()[-1][:200] if out else f"exit {rc}"
+                if time.time() - t0 > timeout:
+                    self.expect(res, f"{what}: pwctl {verb[0]} taken", False, last)
+                    return None
+                time.sleep(0.5)
+        took = round(time.time() - t0, 2)
+        c.rejoin(node)
+        return took
+
+    # 6: docker kill the leading coordinator.
+    def leader_kill(self, rl, res):
+        c = self.c
+        old = c.leader()
+        if not old:
+            raise Failed("no leader before the kill")
+        before, nodes_before = c.map(), c.nodes() or {}
+        res["timings"]["killed"] = old
+        t0 = fault(c, res, "kill", c.ids[old])
+        self.new_leader(res, old, t0, "leader killed")
+        time.sleep(c.lease_s)
+        self.unchanged(res, before, nodes_before, "a node lease after the failover")
+        took = self.map_change(res, "under the new leader", timeout=30)
+        res["timings"]["map_change_after_s"] = took
+        t1 = time.time()
+        c.docker("start", c.ids[old])
+        c.wait(f"{old} ready again", lambda: c.ready([old]) and c.leader(), timeout=60)
+        res["timings"]["killed_one_back_s"] = round(time.time() - t1, 2)
+        role = (c.roles().get(old) or {}).get("role")
+        self.expect(res, f"{old} came back a follower", role == "follower", role)
+        self.no_failed_reads(rl, res, ms(t0), "from the kill to the end")
+
+    # 7: rolling restart (SIGTERM) of every coordinator, the leader last.
+    def coordinators_rolling(self, rl, res):
+        c = self.c
+        before, nodes_before = c.map(), c.nodes() or {}
+        lead = c.leader()
+        if not lead:
+            raise Failed("no leader before the restart")
+        order = [x for x in c.coords if x != lead] + [lead]
+        t0 = time.time()
+        for co in order:
+            t = time.time()
+            c.docker("stop", "-t", "10", c.ids[co], timeout=40)
+            code = c.docker("inspect", "-f", "{{.State.ExitCode}}", c.ids[co]).strip()
+            self.expect(res, f"{co} exits 0 on SIGTERM", code == "0", code)
+            if co == lead:
+                self.new_leader(res, co, t, "the leader stopped (it gives up its lease)")
+            c.docker("start", c.ids[co])
+            c.wait(f"{co} ready", lambda: c.ready([co]) and c.leader(), timeout=60)
+            res["timings"][f"{co}_s"] = round(time.time() - t, 2)
+        res["timings"]["total_s"] = round(time.time() - t0, 2)
+        self.unchanged(res, before, nodes_before, "after the rolling restart")
+        self.no_failed_reads(rl, res, ms(t0), "during the rolling restart")
+
+    # 8: etcd members lost: one (no effect), then two (no quorum).
+    def etcd_loss(self, rl, res):
+        c = self.c
+        first, second = c.etcds[0], c.etcds[1]
+        t0 = fault(c, res, "kill", c.ids[first])
+        took = self.map_change(res, f"{first} killed", timeout=30)
+        res["timings"]["one_down_map_change_s"] = took
+        epoch = (c.map() or {}).get("epoch")
+        t1 = time.time()
+        c.docker("kill", c.ids[second])
+
+        def all_refuse():
+            r = c.roles()
+            return all(s and s.get("store_problem") and s.get("role") != "leader" for s in r.values()) and r
+        roles, _ = c.wait("every coordinator to report the store problem and none to lead", all_refuse,
+                          timeout=c.etcd_ttl_s * 4 + 15, every=0.3)
+        res["timings"]["quorum_loss_reported_s"] = round(time.time() - t1, 2)
+        res["store_problem"] = next(iter(roles.values())).get("store_problem")
+        rc, out = c.pwctl("drain", "node-3")
+        self.expect(res, "without quorum a map change is refused with UNAVAILABLE",
+                    rc != 0 and "unavailable" in out.lower(), out.splitlines()[-1][:200] if out else rc)
+        # Without quorum no coordinator can confirm the map or renew a
+        # lease: readers trust their map, and nodes serve, for one lease
+        # after the last confirmation (ARCHITECTURE.md, "Coordinator
+        # failover"), then reads wait for a leader. Held two leases and a
+        # second, to see where they stop.
+        time.sleep(max(0.0, t1 + 2 * c.lease_s + 1 - time.time()))
+        served = rl.served_until(ms(t1))
+        res["timings"]["reads_served_after_quorum_loss_s"] = round(served / 1000 - t1, 2) if served else 0
+        self.expect(res, f"reads served for at least half a node lease ({c.lease_s / 2:.1f} s) after the "
+                    f"quorum loss", served and served / 1000 - t1 >= c.lease_s / 2,
+                    res["timings"]["reads_served_after_quorum_loss_s"])
+        epochs = {k: s and s.get("epoch") for k, s in c.roles().items()}
+        self.expect(res, "no coordinator moved the epoch without quorum",
+                    all(e in (None, epoch) for e in epochs.values()), epochs)
+        t3 = time.time()
+        c.docker("start", c.ids[second])
+        c.wait("a leader once a member returned", c.leader, timeout=60, every=0.3)
+        res["timings"]["leader_after_member_back_s"] = round(time.time() - t3, 2)
+        c.wait("reads to flow again", lambda: rl.flowing(ms(time.time() - 0.5), reads=50), timeout=30)
+        res["timings"]["reads_again_after_member_back_s"] = round(time.time() - t3, 2)
+        res["timings"]["quorum_lost_for_s"] = round(t3 - t1, 2)
+        took = self.map_change(res, "a member back", timeout=30)
+        res["timings"]["map_change_after_member_back_s"] = took
+        c.docker("start", c.ids[first])
+        c.wait(f"{first} healthy", lambda: c.ready([first]), timeout=60)
+        self.no_failed_reads(rl, res, ms(t0), "from the first etcd kill to the quorum loss", until_ms=ms(t1))
+        # A read that waited for a leader past its deadline (--op-deadline-ms)
+        # failed: counted, not an expectation (each read thread at most once
+        # per deadline the quorum stays lost).
+        time.sleep(1)
+        res["timings"]["reads_failed_waiting_for_quorum"] = rl.summary(ms(t1))["err"]
+
+    # 9: the leader cut off from etcd (its etcd network), nodes still reach it.
+    def leader_cut_off(self, rl, res):
+        c = self.c
+        old = c.leader()
+        if not old:
+            raise Failed("no leader before the cut")
+        before, nodes_before = c.map(), c.nodes() or {}
+        res["timings"]["cut_off"] = old
+        t0 = fault(c, res, "network", "disconnect", c.etcd_network, c.ids[old])
+        try:
+            self.new_leader(res, old, t0, "leader cut off from etcd")
+            s = c.roles().get(old) or {}
+            self.expect(res, f"{old} stopped leading and says why", s.get("role") != "leader"
+                        and bool(s.get("store_problem")), f"{s.get('role')}: {s.get('store_problem')}")
+            time.sleep(c.lease_s)
+            self.unchanged(res, before, nodes_before, "a node lease after the failover")
+            # A map change while the old leader still answers the nodes and
+            # readers: it refuses and names the new leader.
+            res["timings"]["map_change_during_cut_s"] = self.map_change(res, "during the cut", timeout=30)
+            res["timings"]["cut_for_s"] = round(time.time() - t0, 2)
+        finally:
+            c.docker("network", "connect", c.etcd_network, c.ids[old])
+        t1 = time.time()
+
+        def back():
+            s = c.roles().get(old) or {}
+            return c.ready([old]) and s.get("role") == "follower" and not s.get("store_problem")
+        c.wait(f"{old} back as a follower", back, timeout=60, every=0.3)
+        res["timings"]["follower_again_after_heal_s"] = round(time.time() - t1, 2)
+        self.no_failed_reads(rl, res, ms(t0), "from the cut to the end")
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--project", default="pagewire-scenarios", help="compose project name")
     ap.add_argument("--image", default=os.environ.get("PAGEWIRE_IMAGE", "pagewire:dev"))
     ap.add_argument("-f", "--override", action="append", default=[], help="an extra compose file")
-    ap.add_argument("--only", default="1,2,3,4,5", help="scenarios to run, e.g. 1,3")
+    ap.add_argument("--ha", action="store_true",
+                    help="the HA cluster (ha.yml: 3 etcd members, 3 coordinators); default scenarios 1-9")
+    ap.add_argument("--etcd-image", default=os.environ.get("PAGEWIRE_ETCD_IMAGE", "pagewire-etcd:dev"))
+    ap.add_argument("--only", default=None, help="scenarios to run, e.g. 1,3 (default 1-5; 1-9 with --ha)")
     ap.add_argument("--file-mib", type=int, default=256)
     ap.add_argument("--read-rate", type=float, default=400, help="reads/s of each of the 2 read threads")
     ap.add_argument("--write-rate", type=float, default=50, help="writes/s of the writer")
     ap.add_argument("--stop-timeout", type=int, default=30, help="docker stop -t (above the node's drain timeout)")
     ap.add_argument("--settle-s", type=float, default=2.0, help="reads before and after each fault")
     ap.add_argument("--readloop-max-s", type=int, default=240, help="a read loop's own time limit")
-    ap.add_argument("--budget-s", type=int, default=540, help="the whole run's time limit")
+    ap.add_argument("--budget-s", type=int, default=None,
+                    help="the whole run's time limit (default 540 s; 1080 s with --ha)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     ap.add_argument("--json-out", help="also write the JSON summary here")
     args = ap.parse_args()
+    if args.only is None:
+        args.only = "1,2,3,4,5,6,7,8,9" if args.ha else "1,2,3,4,5"
+    if args.budget_s is None:
+        args.budget_s = 1080 if args.ha else 540
     try:
         only = [int(x) for x in args.only.split(",") if x.strip()]
         assert only and all(x in NAMES for x in only)
     except (ValueError, AssertionError):
-        ap.error("--only: numbers from 1 to 5, comma-separated")
+        ap.error("--only: numbers from 1 to 9, comma-separated")
+    if not args.ha and set(only) & HA_ONLY:
+        ap.error(f"--only: scenarios {sorted(set(only) & HA_ONLY)} need the HA cluster (--ha)")
 
     for tool in ["docker", "docker-compose"]:
         if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode != 0:
@@ -576,6 +866,10 @@ def main():
             return 2
     if subprocess.run(["docker", "image", "inspect", args.image], capture_output=True).returncode != 0:
         print(f"scenarios.py: no image {args.image}: build it with k8s/image/build.sh", file=sys.stderr)
+        return 2
+    if args.ha and subprocess.run(["docker", "image", "inspect", args.etcd_image],
+                                  capture_output=True).returncode != 0:
+        print(f"scenarios.py: no image {args.etcd_image}: build it with k8s/image/etcd.sh", file=sys.stderr)
         return 2
 
     # SIGTERM tears down like Ctrl-C; SIGALRM bounds the whole run.
@@ -594,22 +888,28 @@ def main():
         size = run(["docker", "image", "inspect", "-f", "{{.Size}}", args.image]).strip()
         summary["image_size_mb"] = round(int(size) / 1e6, 1)
         c.up()
-        cfg = run(["grep", "-E", r"^\s*lease_ms\s*=", os.path.join(HERE, "..", "base", "config",
-                                                                  "coordinator.toml")], check=False)
-        if cfg.strip():
-            c.lease_s = int(cfg.split("=")[1].split("#")[0].strip()) / 1000
+        # The coordinators' config: the node lease, and the etcd lease.
+        toml = os.path.join(HERE, "..", *(["components", "ha"] if args.ha else ["base", "config"]),
+                            "coordinator.toml")
+        for key, attr, scale in (("lease_ms", "lease_s", 1000), ("lease_ttl_s", "etcd_ttl_s", 1)):
+            cfg = run(["grep", "-E", rf"^\s*{key}\s*=", toml], check=False)
+            if cfg.strip():
+                setattr(c, attr, int(cfg.split("=")[1].split("#")[0].strip()) / scale)
         summary["lease_s"] = c.lease_s
+        if args.ha:
+            summary["etcd_lease_ttl_s"] = c.etcd_ttl_s
         summary["cluster_ready_s"] = round(c.wait_cluster(timeout=120), 2)
-        log(f"cluster ready in {summary['cluster_ready_s']} s (lease {c.lease_s} s, network {c.network})")
+        log(f"cluster ready in {summary['cluster_ready_s']} s (lease {c.lease_s} s, etcd lease {c.etcd_ttl_s} s, "
+            f"network {c.network})")
         for n in only:
-            runner.scenario(n, getattr(runner, NAMES[n]))
+            runner.scenario(n, getattr(runner, NAMES[n].replace("-", "_")))
     except KeyboardInterrupt as e:
         summary["error"] = f"interrupted ({e or 'SIGINT'})"
         rc = 1
     except Failed as e:
         summary["error"] = str(e)
         log(f"set-up failed: {e}")
-        log(c.logs(["init", "pagewire-coordinator"] + NODES, tail=20))
+        log(c.logs(["init"] + c.etcds + c.coords + NODES, tail=20))
         rc = 1
     finally:
         signal.alarm(0)
