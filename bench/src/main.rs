@@ -7,6 +7,7 @@
 //! and reports medians of repeated runs.
 
 mod bytes;
+mod client_metrics;
 mod genfile;
 mod insert;
 mod local;

@@ -142,6 +142,12 @@ pub struct Args {
     /// How long one read keeps retrying through a failover (ms).
     #[arg(long, default_value_t = 5000)]
     pub op_deadline_ms: u64,
+    /// Serve the readers' client metrics (`pagewire_client_*`) for a
+    /// Prometheus: reader i of a one-sided or grpc phase serves its client's
+    /// on `GET /metrics` at HOST:PORT+i (each reader process has one client;
+    /// the phases run one after another, so they take the same ports).
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen_base)]
+    pub metrics_listen: Option<ListenBase>,
     /// Hosts file (network-namespace hosts; storm-netns.sh writes it).
     #[arg(long)]
     pub hosts: Option<PathBuf>,
@@ -166,6 +172,37 @@ pub struct Args {
     #[command(flatten)]
     #[serde(skip)]
     pub output: crate::report::Output,
+}
+
+/// `--metrics-listen`: the host and the first reader's port.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ListenBase {
+    pub host: String,
+    pub port: u16,
+}
+
+impl ListenBase {
+    /// Reader `id`'s address; `run_inner` checked that it fits in a port.
+    fn reader(&self, id: usize) -> String {
+        format!("{}:{}", self.host, self.port as usize + id)
+    }
+}
+
+fn parse_listen_base(s: &str) -> Result<ListenBase, String> {
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s:?} is not HOST:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|e| format!("{s:?}: port {port:?}: {e}"))?;
+    if host.is_empty() || port == 0 {
+        // Port 0 would give each reader a port nobody could be told of.
+        return Err(format!("{s:?}: give a host and a port above 0"));
+    }
+    Ok(ListenBase {
+        host: host.to_owned(),
+        port,
+    })
 }
 
 /// `pagewire-bench demo`: the whole system on this machine in one command.
@@ -226,6 +263,7 @@ pub fn demo(d: &DemoArgs) -> anyhow::Result<()> {
         heal: vec![],
         lease_ms: 3000,
         op_deadline_ms: 5000,
+        metrics_listen: None,
         hosts: None,
         bin_dir: None,
         redis_server: "redis-server".into(),
@@ -316,6 +354,17 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
     }
     if a.readers == 0 || a.nodes == 0 {
         bail!("--readers and --nodes must be at least 1");
+    }
+    if let Some(m) = &a.metrics_listen
+        && m.port as usize + a.readers - 1 > u16::MAX as usize
+    {
+        bail!(
+            "--metrics-listen {}:{}: {} readers need ports up to {}",
+            m.host,
+            m.port,
+            a.readers,
+            m.port as usize + a.readers - 1
+        );
     }
     let compare: Vec<ReadPathKind> = a
         .compare
@@ -606,6 +655,9 @@ fn run_phase(
                     .arg("--token-file")
                     .arg(&ctx.token_file)
                     .args(["--transport", &a.transport]);
+                if let Some(m) = &a.metrics_listen {
+                    c.args(["--metrics-listen", &m.reader(id)]);
+                }
             }
             ReadPathKind::Redis => {
                 c.args(["--redis", ctx.redis.as_deref().unwrap_or_default()]);
@@ -859,4 +911,27 @@ fn prober(
         std::thread::sleep(Duration::from_millis(if clean { 20 } else { 5 }));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_listen_base;
+
+    #[test]
+    fn metrics_listen_gives_each_reader_the_next_port() {
+        let b = parse_listen_base("127.0.0.1:9100").unwrap();
+        assert_eq!(b.reader(0), "127.0.0.1:9100");
+        assert_eq!(b.reader(2), "127.0.0.1:9102");
+        assert_eq!(
+            parse_listen_base("[::1]:9100").unwrap().reader(1),
+            "[::1]:9101"
+        );
+    }
+
+    #[test]
+    fn metrics_listen_refuses_what_no_reader_could_be_scraped_on() {
+        for bad in ["9100", ":9100", "host:0", "host:http", "host:70000"] {
+            assert!(parse_listen_base(bad).is_err(), "{bad} accepted");
+        }
+    }
 }

@@ -100,6 +100,10 @@ pub struct ReaderArgs {
     pub op_deadline_ms: u64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Serve this reader's client metrics on `GET /metrics` at host:port
+    /// (one-sided and grpc paths only).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// One interval's counts (one JSON line).
@@ -369,6 +373,8 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
     let mut chooser = Chooser::new(shape, a.id, a.clients, a.seed)?;
     let acked = std::sync::Arc::new(Acked::open(&a.acked, a.pages)?);
     let mut writer = None;
+    // Kept until the reader returns: the endpoint serves for the whole phase.
+    let mut _metrics = None;
     let token = match &a.token_file {
         Some(f) => std::fs::read_to_string(f)
             .with_context(|| format!("reading {}", f.display()))?
@@ -382,10 +388,19 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("following the map of {}", a.coordinator))?;
             let cfg = client_config(&a.transport, a.path == Path::Grpc, a.op_deadline_ms)?;
             let c = std::sync::Arc::new(ClusterClient::new(follower, &token, cfg)?);
+            if let Some(addr) = &a.metrics_listen {
+                _metrics = Some(crate::client_metrics::serve(addr, c.clone())?);
+            }
             if a.writer_fraction > 0.0 {
                 writer = Some(Writer::start(c.clone(), acked.clone())?);
             }
             Io::Cluster(c)
+        }
+        Path::Redis | Path::Pread if a.metrics_listen.is_some() => {
+            bail!(
+                "--metrics-listen: the {} path has no pagewire client",
+                a.path.name()
+            );
         }
         Path::Redis => {
             let addr = a.redis.as_deref().context("--redis is required")?;
