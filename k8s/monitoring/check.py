@@ -4,7 +4,9 @@ against a live pagewire cluster (python3 standard library only).
 
 It starts a real Prometheus on 127.0.0.1 (a free port, a temporary storage
 folder, scrape_interval 1s) scraping the given coordinator and node HTTP
-ports, waits until every target is up, lets the cluster serve a read load for
+ports (and --client ports, job pagewire-client: a program's client-library
+metrics, which come up with the load and are waited for after it starts),
+waits until every coordinator and node target is up, lets the cluster serve a read load for
 --load-seconds (the caller's, a --load-cmd this script starts, and/or
 --proxy-reads), then evaluates over the HTTP API:
 
@@ -25,6 +27,9 @@ ports, waits until every target is up, lets the cluster serve a read load for
   though its expression is valid and silent;
 * every metric name any of those expressions names must have a series in
   Prometheus (so `x or vector(0)` cannot hide a metric that does not exist);
+* with --client: every client family has a series, and the one-sided read
+  count, one_sided_total and reads_total went up in the window (a read load
+  through the client reads one-sidedly), every path label present;
 
 and runs `promtool check rules` on the rules file. It prints one table row
 per check (its series count, ok/FAIL, the last value of its series, or their
@@ -570,12 +575,59 @@ def alert_rules(path):
     return rules
 
 
+# The client library's series (client/src/metrics.rs, prefix pagewire_client):
+# every family must have a series, and these must have moved in the window.
+CLIENT_FAMILIES = [
+    "pagewire_client_read_seconds_bucket", "pagewire_client_read_seconds_count",
+    "pagewire_client_read_seconds_sum", "pagewire_client_reads_total",
+    "pagewire_client_one_sided_total", "pagewire_client_fault_ins_total",
+    "pagewire_client_grpc_reads_total", "pagewire_client_coalesced_total",
+    "pagewire_client_writes_total", "pagewire_client_retries_total",
+    "pagewire_client_reconnects_total", "pagewire_client_map_refreshes_total",
+    "pagewire_client_lease_waits_total", "pagewire_client_unavailable_total",
+]
+CLIENT_MOVED = [
+    # A read load through the client answers reads one-sidedly.
+    'sum(increase(pagewire_client_read_seconds_count{path="one_sided"}[%s]))',
+    'sum(increase(pagewire_client_one_sided_total[%s]))',
+    'sum(increase(pagewire_client_reads_total[%s]))',
+]
+
+
+def client_checks(api, row, names, start, end):
+    """The client series of --client targets: every family present, the
+    read-latency histogram per path, the counters of a read load moved."""
+    for n in CLIENT_FAMILIES:
+        names.setdefault(n, "client series")
+    window = "%ds" % max(1, int(end - start))
+    for q in CLIENT_MOVED:
+        q = q % window
+        try:
+            res = api.query(q, end)["result"]
+            v = float(res[0]["value"][1]) if res else 0.0
+            row("client", q, len(res), v > 0, "must be above 0", "%.4g" % v)
+        except RuntimeError as e:
+            row("client", q, 0, False, str(e)[:100])
+    # Every path label the histogram has, with its observations in the window.
+    q = 'sum by (path) (increase(pagewire_client_read_seconds_count[%s]))' % window
+    try:
+        res = api.query(q, end)["result"]
+        paths = {r["metric"].get("path"): float(r["value"][1]) for r in res}
+        row("client", q, len(res), {"one_sided", "fallback", "grpc", "coalesced"} <= set(paths),
+            "every path present; " + ", ".join("%s %.0f" % kv for kv in sorted(paths.items())))
+    except RuntimeError as e:
+        row("client", q, 0, False, str(e)[:100])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--coordinator", action="append", default=[], metavar="HOST:PORT",
                     help="coordinator HTTP (metrics) port; repeat or comma-separate")
     ap.add_argument("--node", action="append", default=[], metavar="HOST:PORT",
                     help="node HTTP (metrics) port; repeat or comma-separate")
+    ap.add_argument("--client", action="append", default=[], metavar="HOST:PORT",
+                    help="a client's metrics port (e.g. `storm --metrics-listen`), scraped as job pagewire-client; "
+                         "it comes up with the load, so it is waited for after the load starts")
     ap.add_argument("--dashboard", default=os.path.join(HERE, "pagewire-dashboard.json"))
     ap.add_argument("--rules", default=os.path.join(HERE, "alerts.yml"))
     ap.add_argument("--prometheus", default="/usr/bin/prometheus")
@@ -601,7 +653,7 @@ def main():
     a = ap.parse_args()
 
     split = lambda xs: [t for x in xs for t in x.split(",") if t.strip()]
-    coords, nodes = split(a.coordinator), split(a.node)
+    coords, nodes, clients = split(a.coordinator), split(a.node), split(a.client)
     proxies, provoke = split(a.proxy_reads), split(a.provoke_rpc_error)
     if not coords and not nodes:
         ap.error("give --coordinator and/or --node scrape targets")
@@ -651,6 +703,8 @@ def main():
             jobs.append(("pagewire-coordinator", coords))
         if nodes:
             jobs.append(("pagewire-node", nodes))
+        if clients:
+            jobs.append(("pagewire-client", clients))
         with open(cfg, "w") as f:
             f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n")
             f.write("rule_files:\n  - %s\n" % json.dumps(os.path.abspath(a.rules)))
@@ -681,8 +735,10 @@ def main():
 
         want = len(coords) + len(nodes)
         t0 = time.time()
+        # The clients' endpoints come up with the load: waited for below.
+        servers = lambda ts: [t for t in ts if t["labels"].get("job") != "pagewire-client"]
         while True:
-            targets = api.get("/api/v1/targets", {"state": "active"})["activeTargets"]
+            targets = servers(api.get("/api/v1/targets", {"state": "active"})["activeTargets"])
             up = [t for t in targets if t["health"] == "up"]
             if len(up) == want:
                 break
@@ -706,6 +762,20 @@ def main():
             proxy.start()
         print("check: scraping under load for %.0f s" % a.load_seconds)
         deadline = load_start + a.load_seconds
+        if clients:
+            # Up within half the load window, so the window holds enough
+            # of their samples for a rate.
+            while True:
+                ts = [t for t in api.get("/api/v1/targets", {"state": "active"})["activeTargets"]
+                      if t["labels"].get("job") == "pagewire-client"]
+                if len([t for t in ts if t["health"] == "up"]) == len(clients) or \
+                        time.time() > load_start + a.load_seconds / 2:
+                    break
+                time.sleep(0.5)
+            for t in ts:
+                row("target", "%s %s" % (t["labels"].get("job"), t["scrapeUrl"]), "-", t["health"] == "up",
+                    "up %.1f s after the load started" % (time.time() - load_start) if t["health"] == "up"
+                    else "not up %.0f s after the load started: %s" % (time.time() - load_start, t.get("lastError", "")))
         while time.time() < deadline:
             if load is not None and load.poll() is not None and load.returncode != 0:
                 print("check: load command exited with %d" % load.returncode, file=sys.stderr)
@@ -787,6 +857,8 @@ def main():
 
         for label, expr in panel_queries:
             data_check("panel", label, expr)
+        if clients:
+            client_checks(api, row, names, start, end)
         for name, expr in rules:
             try:
                 res = api.query(expr)["result"]
@@ -797,17 +869,18 @@ def main():
                 data_check("alert-lhs", name, op)
             for n in metric_names(expr):
                 names.setdefault(n, name)
+        # Every target still up at the end of the evaluation (a process that
+        # hung under the load stops answering /metrics); before the wait for
+        # the load, whose end takes the clients' endpoints with it.
+        for t in api.get("/api/v1/targets", {"state": "active"})["activeTargets"]:
+            row("target", "%s %s" % (t["labels"].get("job"), t["scrapeUrl"]), "-", t["health"] == "up",
+                "at the end: %s%s" % (t["health"], (", " + t["lastError"]) if t.get("lastError") else ""))
         if load is not None and a.load_wait > 0 and not load_failed:
             try:
                 rc = load.wait(a.load_wait)
                 row("load", "load command", "-", rc == 0, "exited %d after the evaluation" % rc)
             except subprocess.TimeoutExpired:
                 row("load", "load command", "-", False, "still running %.0f s after the evaluation" % a.load_wait)
-        # Every target still up at the end (a process that hung under the load
-        # stops answering /metrics).
-        for t in api.get("/api/v1/targets", {"state": "active"})["activeTargets"]:
-            row("target", "%s %s" % (t["labels"].get("job"), t["scrapeUrl"]), "-", t["health"] == "up",
-                "at the end: %s%s" % (t["health"], (", " + t["lastError"]) if t.get("lastError") else ""))
         for n in sorted(names):
             try:
                 s = api.series(n, start, end)

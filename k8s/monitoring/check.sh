@@ -12,7 +12,12 @@
 # (attach mode, read-only, no compare phases) as check.py's --load-cmd,
 # for --load-seconds + 20 s (bounded by timeout(1) to 60 s more); check.py
 # waits for it after the evaluation and fails unless it exits 0.
-# Without it the caller runs the read load. Every other option goes to
+# Its readers serve their client metrics (`storm --metrics-listen`: reader i
+# on 127.0.0.1:PORT+i, PORT the first of a free run of loopback ports this
+# script picks), which check.py scrapes as job pagewire-client (--client)
+# and checks, so the client library's series (pagewire_client_*) are
+# covered too, with no option of the caller's. Without --storm the caller
+# runs the read load (and may give --client HOST:PORT for its own client). Every other option goes to
 # check.py (`check.py --help`): --proxy-reads NODE_GRPC,... and
 # --provoke-rpc-error COORD_GRPC (both need --token-file) make the
 # node-proxied one-sided counters and the coordinator's RPC-error family
@@ -66,14 +71,42 @@ if [ -n "$storm" ]; then
     # (the storm fails on a wrong or stale read). timeout bounds it anyway.
     storm_seconds=$(( ${load_seconds%.*} + 20 ))
     bound=$(( storm_seconds + 60 ))
+    # N consecutive free loopback ports, one per reader (a port taken
+    # between this probe and the reader's bind fails that reader, and so
+    # the check: said, not silent).
+    metrics_base=$(python3 - "$storm_readers" <<'EOF'
+import random, socket, sys
+n = int(sys.argv[1])
+for _ in range(200):
+    base = random.randint(20000, 60000 - n)
+    socks = []
+    try:
+        for p in range(base, base + n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", p))
+        print(base)
+        break
+    except OSError:
+        pass
+    finally:
+        for s in socks:
+            s.close()
+else:
+    sys.exit("check.sh: no %d consecutive free loopback ports" % n)
+EOF
+)
+    clients=""
+    for ((i = 0; i < storm_readers; i++)); do clients+="${clients:+,}127.0.0.1:$((metrics_base + i))"; done
     out=$(mktemp -d -t pagewire-storm-out-XXXXXX)
     trap 'rm -rf "$out"' EXIT
     # --file is only read by the pread row, which --compare "" leaves out.
     load="exec timeout -k 5 $bound $(printf %q "$bench") storm --coordinator $(printf %q "$storm") \
 --token-file $(printf %q "$token_file") --file /dev/null --compare '' --writer-fraction 0 \
 --transport $(printf %q "$storm_transport") --readers $(printf %q "$storm_readers") \
+--metrics-listen 127.0.0.1:$metrics_base \
 --duration ${storm_seconds}s --out $(printf %q "$out") --work-dir $(printf %q "$out")"
-    args+=(--load-cmd "$load" --load-wait 60)
+    args+=(--load-cmd "$load" --load-wait 60 --client "$clients")
 fi
 
 # Not exec: the EXIT trap removes the storm's output folder afterwards.
