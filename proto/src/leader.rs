@@ -15,13 +15,19 @@
 //! 2. A call that fails with a transport error, a timeout or `UNAVAILABLE`
 //!    ([`is_failover`]) moves the current address: to the leader the
 //!    refusal names when it names one (added to the list when it is not in
-//!    it), else to the next address in the list. Each switch is logged at
+//!    it), else to the configured address after the last configured one
+//!    current (a leader learnt from a hint is visited only when a hint
+//!    names it, so one this process cannot reach, such as a name that
+//!    resolves only on the coordinators' network, never keeps it from the
+//!    rest of the list). Each switch is logged at
 //!    info (`switching coordinator from=.. to=..`). Any other error is the
 //!    coordinator's answer, and the caller's to handle.
-//! 3. The caller retries at once, until every address has failed once since
-//!    the last success (a round; a hint that names a dead leader, or two
-//!    coordinators naming each other, count too): then it backs off first
-//!    ([`AfterFailure`]). With one address every failure ends a round, so a
+//! 3. The caller retries at once, until every configured address has
+//!    failed since the last success (a round), or twice as many calls as
+//!    addresses have (hints naming dead or unreachable leaders, or two
+//!    coordinators naming each other): then it backs off first
+//!    ([`AfterFailure`]). With one address every failure ends a round (but
+//!    one naming a leader outside the list, tried at once), so a
 //!    one-address list behaves as a single channel with the caller's backoff.
 //! 4. A failure seen on a pick made before another caller switched (the
 //!    node's heartbeat and its map stream share one list) switches nothing:
@@ -235,10 +241,18 @@ struct State {
     entries: Vec<Entry>,
     configured: usize,
     current: usize,
+    /// The configured entry last current: a failure without a hint moves
+    /// to the configured entry after it, also from a learnt leader, so
+    /// that every configured address is tried in a round even when a hint
+    /// names a leader this process cannot reach (a name that resolves
+    /// only on the coordinators' network).
+    last_configured: usize,
     /// Bumped at each switch.
     generation: u64,
     /// Failures since the last success or the last full round.
     failures: usize,
+    /// The configured entries (bit i: entry i) that failed in this round.
+    failed_configured: u32,
 }
 
 impl Coordinators {
@@ -253,6 +267,12 @@ impl Coordinators {
         if addresses.is_empty() {
             return Err(CoordinatorsError::List(AddressListError::Empty));
         }
+        if addresses.len() > MAX_ADDRESSES {
+            return Err(CoordinatorsError::List(AddressListError::TooMany {
+                count: addresses.len(),
+                max: MAX_ADDRESSES,
+            }));
+        }
         let mut entries = Vec::with_capacity(addresses.len());
         for a in addresses {
             entries.push(Entry {
@@ -265,8 +285,10 @@ impl Coordinators {
                 configured: entries.len(),
                 entries,
                 current: 0,
+                last_configured: 0,
                 generation: 0,
                 failures: 0,
+                failed_configured: 0,
             }),
             token,
             tls,
@@ -324,6 +346,7 @@ impl Coordinators {
         let mut st = self.lock();
         if st.generation == pick.generation {
             st.failures = 0;
+            st.failed_configured = 0;
         }
     }
 
@@ -339,6 +362,10 @@ impl Coordinators {
             return AfterFailure::RetryNow;
         }
         st.failures += 1;
+        if st.current < st.configured {
+            st.failed_configured |= 1 << st.current;
+        }
+        let all_configured = (1u32 << st.configured) - 1;
         let from = st.entries[st.current].address.clone();
         let hint = leader_hint(status).filter(|h| !same_address(h, &from));
         let hinted = hint.is_some();
@@ -347,10 +374,19 @@ impl Coordinators {
                 Some(i) => Some(i),
                 None => self.add_hinted(&mut st, h),
             },
-            None => Some((st.current + 1) % st.entries.len()),
+            // The next configured entry that has not failed in this round.
+            None => Some(
+                (1..=st.configured)
+                    .map(|k| (st.last_configured + k) % st.configured)
+                    .find(|&i| st.failed_configured & (1 << i) == 0)
+                    .unwrap_or((st.last_configured + 1) % st.configured),
+            ),
         };
         if let Some(t) = target.filter(|&t| t != st.current) {
             st.current = t;
+            if t < st.configured {
+                st.last_configured = t;
+            }
             st.generation += 1;
             let to = &st.entries[t].address;
             tracing::info!(
@@ -361,8 +397,16 @@ impl Coordinators {
                 "switching coordinator"
             );
         }
-        if st.failures >= st.entries.len() {
+        // A round ends when every configured address has failed (unless a
+        // hint just named a leader outside the list: tried at once), or
+        // after twice as many failures as addresses (hints naming dead or
+        // unreachable leaders, coordinators naming each other).
+        // A leader just learnt from a hint is tried at once.
+        if (st.failed_configured & all_configured == all_configured && st.current < st.configured)
+            || st.failures >= 2 * st.entries.len()
+        {
             st.failures = 0;
+            st.failed_configured = 0;
             AfterFailure::BackOff
         } else {
             AfterFailure::RetryNow
@@ -499,20 +543,53 @@ mod tests {
             AfterFailure::RetryNow
         );
         assert_eq!(c.pick().address(), "a:1");
-        // Third failure of the round: back off (and start a new round).
+        // Without a hint: the address not yet failed in this round (c:3,
+        // not b:2 again).
         let a2 = c.pick();
         assert_eq!(
             c.failed(&a2, &tonic::Status::deadline_exceeded("slow")),
-            AfterFailure::BackOff
+            AfterFailure::RetryNow
         );
-        assert_eq!(c.pick().address(), "b:2");
-        // A success starts a new round.
-        let b2 = c.pick();
-        assert_eq!(c.failed(&b2, &unavailable()), AfterFailure::RetryNow);
         let c3 = c.pick();
-        c.succeeded(&c3);
-        assert_eq!(c.failed(&c3, &unavailable()), AfterFailure::RetryNow);
+        assert_eq!(c3.address(), "c:3");
+        // Every address failed in the round: back off (and start a new one).
+        assert_eq!(c.failed(&c3, &unavailable()), AfterFailure::BackOff);
+        let a3 = c.pick();
+        assert_eq!(a3.address(), "a:1");
+        // A success starts a new round.
+        assert_eq!(c.failed(&a3, &unavailable()), AfterFailure::RetryNow);
+        let b3 = c.pick();
+        c.succeeded(&b3);
+        assert_eq!(c.failed(&b3, &unavailable()), AfterFailure::RetryNow);
+        assert_eq!(c.pick().address(), "c:3");
+        let c4 = c.pick();
+        assert_eq!(c.failed(&c4, &unavailable()), AfterFailure::RetryNow);
         assert_eq!(c.pick().address(), "a:1");
+    }
+
+    /// A hint naming a leader this process cannot reach (compose's service
+    /// names, seen from the host) must not trap the caller between it and
+    /// the coordinator that gave it: the next failure moves on through the
+    /// configured list. Before, it went back to the hinting one for ever
+    /// and the leader, third in the list, was never tried.
+    #[tokio::test]
+    async fn an_unreachable_hinted_leader_moves_on_through_the_list() {
+        let c = set("a:1,b:2,c:3");
+        let a = c.pick();
+        let _ = c.failed(&a, &not_leading("follower", Some("x:9")));
+        let x = c.pick();
+        assert_eq!(x.address(), "x:9");
+        let _ = c.failed(&x, &unavailable());
+        let b = c.pick();
+        assert_eq!(b.address(), "b:2");
+        let _ = c.failed(&b, &not_leading("follower", Some("x:9")));
+        let x = c.pick();
+        assert_eq!(x.address(), "x:9");
+        let _ = c.failed(&x, &unavailable());
+        let c3 = c.pick();
+        assert_eq!(c3.address(), "c:3");
+        // The leader answers: the caller never backed off before reaching it.
+        c.succeeded(&c3);
     }
 
     #[tokio::test]
