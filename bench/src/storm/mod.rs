@@ -59,8 +59,9 @@ fn stopped() -> bool {
 
 #[derive(clap::Args, Clone, Debug, serde::Serialize)]
 pub struct Args {
-    /// Attach to a running cluster (its coordinator's host:port) instead of
-    /// starting one; needs --token-file and --file (its backing file, for
+    /// Attach to a running cluster (its coordinator's host:port, or a
+    /// comma-separated list of coordinators sharing an etcd store) instead
+    /// of starting one; needs --token-file and --file (its backing file, for
     /// the pread row). Faults need processes this run started: refused.
     #[arg(long)]
     pub coordinator: Option<String>,

@@ -416,10 +416,34 @@ pub fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// The coordinator's current map.
-pub fn get_map(addr: &str, token: &str) -> anyhow::Result<OwnershipMap> {
+/// `call` on each coordinator of `addrs` (host:port, or a comma-separated
+/// list of coordinators sharing an etcd store) in turn, until one answers:
+/// a follower refuses a write, or a read it cannot confirm, with
+/// `UNAVAILABLE`, and the leader is somewhere in the list. The error names
+/// every coordinator's failure.
+fn on_a_coordinator<T, F, Fut>(addrs: &str, call: F) -> anyhow::Result<T>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let list = pagewire_proto::leader::parse_address_list(addrs)
+        .with_context(|| format!("--coordinator {addrs:?}"))?;
     rt()?.block_on(async {
-        let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
+        let mut failures = Vec::new();
+        for addr in list {
+            match call(addr.clone()).await {
+                Ok(v) => return Ok(v),
+                Err(e) => failures.push(format!("{addr}: {e:#}")),
+            }
+        }
+        bail!("no coordinator answered ({})", failures.join("; "))
+    })
+}
+
+/// The coordinators' current map.
+pub fn get_map(addrs: &str, token: &str) -> anyhow::Result<OwnershipMap> {
+    on_a_coordinator(addrs, |addr| async move {
+        let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(1)).await?;
         let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
         let m = tokio::time::timeout(Duration::from_secs(2), c.get_map(GetMapRequest::default()))
             .await
@@ -432,9 +456,9 @@ pub fn get_map(addr: &str, token: &str) -> anyhow::Result<OwnershipMap> {
 /// Faults the whole file in across the cluster (the coordinator's `Warm`,
 /// as `pwctl warm`); returns the pages the nodes faulted in. Fails when a
 /// node reported an error.
-pub fn warm(addr: &str, token: &str, file_size: u64) -> anyhow::Result<u64> {
-    rt()?.block_on(async {
-        let ch = pagewire_proto::net::connect(addr, None, Duration::from_secs(1)).await?;
+pub fn warm(addrs: &str, token: &str, file_size: u64) -> anyhow::Result<u64> {
+    on_a_coordinator(addrs, |addr| async move {
+        let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(1)).await?;
         let mut c = CoordinatorClient::with_interceptor(ch, AttachToken::new(token)?);
         let r = tokio::time::timeout(
             Duration::from_secs(300),
