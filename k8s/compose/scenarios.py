@@ -656,8 +656,12 @@ class Runner:
         took = round(time.time() - t0, 2)
         res["timings"]["new_leader_s"] = took
         res["timings"]["new_leader"] = new
-        self.expect(res, f"{what}: a new leader within the etcd lease (+1 s for this poll: {ttl + 1:.1f} s)",
-                    took <= ttl + 1, took)
+        # The etcd lease, then a follower's next campaign (its retry backs
+        # off up to 1 s, coordinator/src/store/etcd.rs), then this poll (three
+        # pwctl calls through docker exec, up to about 1 s on a loaded host).
+        bound = ttl + 2
+        self.expect(res, f"{what}: a new leader within the etcd lease (+1 s for the followers' campaign retry, "
+                    f"+1 s for this poll: {bound:.1f} s)", took <= bound, took)
         return new
 
     def unchanged(self, res, before, nodes_before, what):
