@@ -42,7 +42,7 @@ COPY . .
 # and k8s/check_drift.py checks that both carry these features.
 RUN cargo build --release --locked \
       -p pagewire-node -p pagewire-coordinator -p pagewire-bench \
-      --features pagewire-coordinator/etcd,pagewire-node/verbs \
+      --features pagewire-coordinator/etcd,pagewire-node/verbs,pagewire-bench/verbs \
  && mkdir /out \
  && cp target/release/pagewire-coordinator target/release/pagewire-node \
        target/release/pwctl target/release/pagewire-bench /out/ \

@@ -6,24 +6,19 @@
 # check of the whole history: 0 violations required.
 #
 # Builds nothing new when .ci/run already built the release binaries
-# (`cargo build --release -p pagewire-bench --features numa,verbs -p
-# pagewire-node -p pagewire-coordinator`), except the coordinator with its
-# `etcd` feature, which failover needs (a few crates more: etcd-client).
+# (`k8s/image/build.sh --binaries-only`: the coordinator with its `etcd`
+# feature, which failover needs, the node and bench with verbs).
 # NEMESIS_SEED picks the seed (default: from the clock; printed either way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 B=target/release
-if [[ ! -x $B/pagewire-bench || ! -x $B/pagewire-node ]]; then
-  echo "== build (the bench smoke's release line)"
-  cargo build --release -p pagewire-bench --features numa,verbs -p pagewire-node -p pagewire-coordinator
-fi
+echo "== build (CI's one release line; fresh when .ci/run built it)"
+t1=$SECONDS
+bash k8s/image/build.sh --binaries-only
+echo "built in $((SECONDS - t1)) s"
 etcd_args=()
 if command -v etcd >/dev/null 2>&1; then
-  echo "== build the coordinator with etcd (failover)"
-  t1=$SECONDS
-  cargo build --release -p pagewire-coordinator --features etcd --bin pagewire-coordinator
-  echo "coordinator with etcd built in $((SECONDS - t1)) s"
   etcd_args=(--etcd)
 else
   echo "== no etcd on the PATH (apt install etcd-server etcd-client): failover left out"

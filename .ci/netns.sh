@@ -31,7 +31,8 @@ step "shellcheck"
 shellcheck bench/scripts/storm-netns.sh .ci/netns.sh
 
 step "build (release: pagewire-coordinator, pwctl, pagewire-node, pagewire-bench)"
-cargo build --locked --release -p pagewire-coordinator -p pagewire-node -p pagewire-bench
+# CI's one release line (fresh when .ci/run built it).
+bash k8s/image/build.sh --binaries-only
 
 step "storm-netns.sh --self-check"
 # The script cleans up on SIGTERM; --kill-after is the last resort.

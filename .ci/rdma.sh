@@ -57,11 +57,11 @@ step "verbs conformance suite (own and shared queue pairs), the node's start ref
 bash rdma/scripts/softroce-test.sh
 
 step "the storm over verbs across soft-RoCE VMs, then remote between two of them"
-# Built with the features .ci/run's bench smoke uses, so nothing rebuilds.
-cargo build --release -q -p pagewire-bench --features numa,verbs
+# CI's one release line (fresh when .ci/run built it).
+bash k8s/image/build.sh --binaries-only
 bash rdma/scripts/softroce-cluster.sh --no-build --keep target/softroce-cluster-results
 
 step "pagewire-bench transport --quick"
-cargo run --release -q -p pagewire-bench --features numa,verbs -- transport --quick
+target/release/pagewire-bench transport --quick
 
 step "done"

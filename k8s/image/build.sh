@@ -15,6 +15,13 @@
 #
 #   k8s/image/build.sh [--bin-dir DIR] [--tag pagewire:dev]
 #                      [--base pagewire-base:bookworm] [--force-base]
+#   k8s/image/build.sh --binaries-only
+#
+# --binaries-only runs step 2's cargo build and nothing else: CI's scripts
+# (.ci/run's bench smoke, nemesis, netns, rdma) build their release
+# binaries through it, so one feature set serves them all and the image
+# step later finds every binary fresh (a second feature set would rebuild
+# the workspace's crates, minutes on two cores).
 #
 # Without --bin-dir it runs `cargo build --release --locked ...` into
 # $CARGO_TARGET_DIR (default: the repository's target/), the workspace's
@@ -29,12 +36,14 @@ tag=pagewire:dev
 base=pagewire-base:bookworm
 bin_dir=
 force_base=
+binaries_only=
 while [ $# -gt 0 ]; do
   case $1 in
     --bin-dir) bin_dir=$2; shift ;;
     --tag) tag=$2; shift ;;
     --base) base=$2; shift ;;
     --force-base) force_base=--force ;;
+    --binaries-only) binaries_only=1 ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "build.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
@@ -42,9 +51,9 @@ while [ $# -gt 0 ]; do
 done
 bins=(pagewire-coordinator pagewire-node pwctl pagewire-bench)
 # The Dockerfile's features (k8s/check_drift.py checks that they agree).
-features=pagewire-coordinator/etcd,pagewire-node/verbs
+features=pagewire-coordinator/etcd,pagewire-node/verbs,pagewire-bench/verbs
 
-"$repo/k8s/image/base.sh" --tag "$base" $force_base
+[ -n "$binaries_only" ] || "$repo/k8s/image/base.sh" --tag "$base" $force_base
 
 if [ -z "$bin_dir" ]; then
   target=${CARGO_TARGET_DIR:-$repo/target}
@@ -64,6 +73,7 @@ fi
 for b in "${bins[@]}"; do
   [ -x "$bin_dir/$b" ] || { echo "build.sh: $bin_dir/$b is missing" >&2; exit 1; }
 done
+[ -z "$binaries_only" ] || exit 0
 
 ctx=$(mktemp -d /tmp/pagewire-image.XXXXXX)
 trap 'rm -rf "$ctx"' EXIT
