@@ -684,6 +684,16 @@ def toml_diff(a: dict, b: dict) -> set[str]:
     return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
 
 
+def check_base_but_ha_keys(rel: Path, base_toml: dict, toml: dict) -> None:
+    """An HA coordinator file is the base's but for the HA keys."""
+    diff = toml_diff(base_toml, toml)
+    check(
+        f"{rel} is k8s/base/config/coordinator.toml but for {', '.join(sorted(HA_TOML_KEYS))}",
+        diff <= HA_TOML_KEYS,
+        f"also differs in {sorted(diff - HA_TOML_KEYS)} (copy the base's change over)",
+    )
+
+
 def etcd_image_build() -> dict:
     """The default tag, ENTRYPOINT, USER and EXPOSE of the Dockerfile that
     k8s/image/etcd.sh writes, and the ports the entrypoint listens on."""
@@ -758,12 +768,7 @@ def check_ha(
 
     # -- the config file, shared by compose and k8s
     rel = HA_CONFIG.relative_to(REPO)
-    diff = toml_diff(base_toml, ha_toml)
-    check(
-        f"{rel} is k8s/base/config/coordinator.toml but for {', '.join(sorted(HA_TOML_KEYS))}",
-        diff <= HA_TOML_KEYS,
-        f"also differs in {sorted(diff - HA_TOML_KEYS)} (copy the base's change over)",
-    )
+    check_base_but_ha_keys(rel, base_toml, ha_toml)
     check(
         f"{rel}: advertise is empty (each coordinator's own name comes from --advertise)",
         ha_toml.get("advertise") == "",
@@ -1053,12 +1058,7 @@ def check_ha(
     xrel = HA_EXTERNAL_CONFIG.relative_to(REPO)
     x_text = HA_EXTERNAL_CONFIG.read_text()
     x_toml = tomllib.loads(x_text)
-    xdiff = toml_diff(base_toml, x_toml)
-    check(
-        f"{xrel} is k8s/base/config/coordinator.toml but for {', '.join(sorted(HA_TOML_KEYS))}",
-        xdiff <= HA_TOML_KEYS,
-        f"also differs in {sorted(xdiff - HA_TOML_KEYS)}",
-    )
+    check_base_but_ha_keys(xrel, base_toml, x_toml)
     top = toml_diff(ha_toml, x_toml)
     ediff = toml_diff(ha_toml.get("etcd", {}), x_toml.get("etcd", {}))
     check(

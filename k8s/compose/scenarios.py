@@ -702,13 +702,18 @@ class Runner:
         c.rejoin(node)
         return took
 
-    # 6: docker kill the leading coordinator.
-    def leader_kill(self, rl, res):
+    def leader_and_state(self, before_what):
+        """The leader, the map and the nodes before a fault to the leader."""
         c = self.c
         old = c.leader()
         if not old:
-            raise Failed("no leader before the kill")
-        before, nodes_before = c.map(), c.nodes() or {}
+            raise Failed(f"no leader before {before_what}")
+        return old, c.map(), c.nodes() or {}
+
+    # 6: docker kill the leading coordinator.
+    def leader_kill(self, rl, res):
+        c = self.c
+        old, before, nodes_before = self.leader_and_state("the kill")
         res["timings"]["killed"] = old
         t0 = fault(c, res, "kill", c.ids[old])
         self.new_leader(res, old, t0, "leader killed")
@@ -803,10 +808,7 @@ class Runner:
     # 9: the leader cut off from etcd (its etcd network), nodes still reach it.
     def leader_cut_off(self, rl, res):
         c = self.c
-        old = c.leader()
-        if not old:
-            raise Failed("no leader before the cut")
-        before, nodes_before = c.map(), c.nodes() or {}
+        old, before, nodes_before = self.leader_and_state("the cut")
         res["timings"]["cut_off"] = old
         t0 = fault(c, res, "network", "disconnect", c.etcd_network, c.ids[old])
         try:
