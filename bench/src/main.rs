@@ -1,6 +1,7 @@
 //! pagewire-bench: the seed benchmarks of the lockless page cache, the
-//! transport benchmark, and (as the project grows) the distributed fault
-//! storms.
+//! transport and remote-read benchmarks, the distributed fault storm and
+//! the nemesis, the FUSE mount's benchmark, and the one-command demo; its
+//! hidden `node` and `coordinator` commands run the daemons themselves.
 //!
 //! Every subcommand prints a human table, or one JSON object with `--json`
 //! ({"bench", "machine", "params", "results": [...]}), states the machine,

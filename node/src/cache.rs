@@ -9,7 +9,10 @@
 //!   The readahead window never crosses the end of the faulting page's
 //!   extent ([`CacheConfig::extent_pages`]): a node must not cache pages of
 //!   an extent it does not answer for.
-//! * No free frame: a CLOCK sweep evicts unreferenced, unheld frames.
+//! * No free frame: [`PageCache::reclaim`] evicts unreferenced, unheld
+//!   frames by the eviction policy ([`crate::policy`]): a CLOCK sweep
+//!   (`clock`), or the oldest stamp of each random sample of frames (`lru`
+//!   stamps a frame at every hit, `fifo` at its fill).
 //! * Dropping a range ([`PageCache::evict_range`], an extent the node no
 //!   longer answers for): close it against fills already under way, then
 //!   claim each page in turn and unlink its copy even if readers hold it
@@ -46,7 +49,8 @@ pub struct CacheConfig {
     pub sync_writes: bool,
     /// Largest readahead window in pages (0 turns readahead off).
     pub readahead_max: usize,
-    /// Frames a CLOCK sweep tries to free at once.
+    /// Frames one reclaim (a CLOCK sweep or sampled eviction) tries to free
+    /// at once.
     pub evict_batch: usize,
     /// Bind the region to this NUMA node (needs feature `numa`).
     pub numa_node: Option<usize>,

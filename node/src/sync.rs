@@ -1,11 +1,12 @@
 //! The synchronisation shim: std atomics and locks normally, loom's under `--cfg loom`.
 //!
 //! Every lock-free structure of this crate takes its atomics from here, so the
-//! loom models in `tests/loom.rs` explore the very code that ships. Run them with
-//! both cfgs (crossbeam-epoch only becomes loom-aware with `crossbeam_loom`):
+//! loom models in `src/loom_models.rs` explore the very code that ships. Run
+//! them with both cfgs (crossbeam-epoch only becomes loom-aware with
+//! `crossbeam_loom`):
 //!
 //! ```text
-//! RUSTFLAGS="--cfg loom --cfg crossbeam_loom" cargo test -p pagewire-node --release --test loom
+//! RUSTFLAGS="--cfg loom --cfg crossbeam_loom" cargo test -p pagewire-node --release --lib loom_models --target-dir target/loom
 //! ```
 
 #[cfg(loom)]
