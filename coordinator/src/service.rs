@@ -24,17 +24,23 @@ use tonic::{Request, Response, Status};
 use crate::error::CoordError;
 use crate::ha::Leadership;
 use crate::metrics::Metrics;
-use crate::state::{Cluster, Published};
+use crate::state::{Cluster, Published, StatusView};
 
 type Client = NodeClient<InterceptedService<Channel, AttachToken>>;
 
 pub(crate) struct Shared {
     /// An async mutex: a change holds it across its save, which runs on a
     /// blocking thread ([`Shared::write`]), so a call waiting for it waits
-    /// without holding a runtime worker.
+    /// without holding a runtime worker. Changes, heartbeats and
+    /// `ListNodes` take it; the reads of what is saved (`GetMap`,
+    /// `WatchMap`, `Status`, the owners `Warm` and `Evict` forward to) read
+    /// `published` and `status` instead, so a slow save does not hold
+    /// them up.
     cluster: Arc<tokio::sync::Mutex<Cluster>>,
     /// The published map, read without the cluster lock.
     published: tokio::sync::watch::Receiver<Arc<Published>>,
+    /// What `Status` shows, as of the last save, read without the lock.
+    status: tokio::sync::watch::Receiver<Arc<StatusView>>,
     pub(crate) ha: Arc<Leadership>,
     #[cfg(feature = "etcd")]
     pub(crate) etcd: Option<Arc<crate::store::etcd::EtcdStore>>,
@@ -58,6 +64,7 @@ impl Shared {
     ) -> Self {
         Self {
             published: cluster.subscribe(),
+            status: cluster.subscribe_status(),
             cluster: Arc::new(tokio::sync::Mutex::new(cluster)),
             ha,
             #[cfg(feature = "etcd")]
@@ -310,13 +317,20 @@ impl CoordinatorService {
         self.shared.ha.check_write().map_err(Status::from)?;
         let map = self.shared.published().map.clone();
         let plan = runs_by_owner(&map, range)?;
+        // The owners' addresses from the same map (not the cluster, whose
+        // lock a save may hold).
+        let nodes: HashMap<u32, (String, String)> = map
+            .nodes
+            .iter()
+            .map(|n| (n.index, (n.node_id.clone(), n.grpc_address.clone())))
+            .collect();
         let mut results = Vec::new();
         let mut calls = tokio::task::JoinSet::new();
         for (owner, runs) in plan {
             let addr = if owner == 0 {
                 None
             } else {
-                self.shared.cluster().await.node_address(owner)
+                nodes.get(&owner).cloned()
             };
             let Some((node_id, address)) = addr else {
                 results.push(NodeRangeResult {
@@ -537,7 +551,7 @@ impl Coordinator for CoordinatorService {
         // could not confirm its state, which clients must not take as a
         // confirmation of their map.
         let confirmed = self.shared.confirm_read().await;
-        let mut s = self.shared.cluster().await.status();
+        let mut s = self.shared.status.borrow().status();
         let view = self.shared.ha.view();
         s.store = self.shared.ha.store().to_owned();
         s.role = view.role.into();
@@ -753,6 +767,68 @@ pub(crate) mod tests {
             assert_eq!(r.map_epoch, epoch + 1);
             assert_eq!(svc.shared.published().map.epoch, epoch + 1);
         });
+    }
+
+    /// A read-only call does not queue behind a save: while a change waits
+    /// 1.5 s for the store, `Status` (which every map follower polls) and
+    /// `Warm` answer at once, from what is already in the store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_save_does_not_hold_up_status_or_forwarding() {
+        let store = Arc::new(Slow::default());
+        let svc = service(store.clone(), leader());
+        svc.register(reg("a")).await.unwrap();
+        svc.register(reg("b")).await.unwrap();
+        let epoch = svc.shared.published().map.epoch;
+        store.delay_ms.store(1500, Ordering::SeqCst);
+        let s = svc.clone();
+        let drain = tokio::spawn(async move {
+            s.drain(Request::new(DrainRequest {
+                node_id: "b".into(),
+                incarnation: 0,
+            }))
+            .await
+        });
+        // The drain holds the save now.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t0 = Instant::now();
+        let st = svc
+            .status(Request::new(StatusRequest::default()))
+            .await
+            .unwrap()
+            .into_inner();
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(500),
+            "Status took {took:?}: it waited for the save"
+        );
+        assert_eq!(st.epoch, epoch, "Status showed an epoch not saved yet");
+        assert_eq!(st.nodes_alive, 2);
+        // Forwarding finds the owners' addresses without the cluster lock
+        // (the nodes are not listening: each answers with an error).
+        let t0 = Instant::now();
+        let mut req = Request::new(ClusterRangeRequest {
+            range: Some(ByteRange {
+                offset: 0,
+                length: 4096,
+            }),
+        });
+        req.set_timeout(Duration::from_millis(200));
+        let fwd = svc.warm(req).await.unwrap().into_inner();
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_millis(1000),
+            "Warm took {took:?}: it waited for the save"
+        );
+        assert_eq!(fwd.map_epoch, epoch);
+        assert!(!drain.is_finished(), "the save ended too early to tell");
+        let r = drain.await.unwrap().unwrap().into_inner();
+        assert_eq!(r.map_epoch, epoch + 1);
+        let st = svc
+            .status(Request::new(StatusRequest::default()))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(st.epoch, epoch + 1);
     }
 
     /// Concurrent changes are saved one at a time, each epoch once and in

@@ -5,8 +5,12 @@
 //! runs on a blocking thread. A change whose save fails is undone whole
 //! (map and members), so that it is tried again as a whole. Every map
 //! change bumps the epoch, is written to the store (the state file, or
-//! etcd: [`crate::store`]), and only then published to watchers, so a published epoch always survives a restart or
-//! a change of leader. A coordinator that follows another (etcd) holds the
+//! etcd: [`crate::store`]), and only then published to watchers, so a
+//! published epoch always survives a restart or a change of leader. What
+//! `Status` shows is refreshed the same way, after each save
+//! ([`StatusView`]). So the calls that only read the store's state (the map
+//! and the status) read those two and never wait for the lock, which a save
+//! holds for up to the store's request timeout. A coordinator that follows another (etcd) holds the
 //! same `Cluster`, replaced with each state the store shows
 //! ([`Cluster::load_state`]); it changes nothing itself.
 //!
@@ -133,6 +137,25 @@ pub(crate) struct Published {
     pub(crate) delta: Option<Arc<CompactMap>>,
 }
 
+/// What `Status` shows of the cluster, as of the last save: refreshed
+/// after each one, so that `Status` reads it without the cluster lock (a
+/// save may hold that for up to the store's request timeout) and never
+/// shows what is not in the store yet.
+pub(crate) struct StatusView {
+    /// Every field but `uptime_ms` and the leadership's.
+    status: StatusResponse,
+    started: Instant,
+}
+
+impl StatusView {
+    pub(crate) fn status(&self) -> StatusResponse {
+        StatusResponse {
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ..self.status.clone()
+        }
+    }
+}
+
 pub(crate) struct Cluster {
     params: Params,
     file_size: u64,
@@ -158,8 +181,8 @@ pub(crate) struct Cluster {
     config_file_size: u64,
     config_policy: Policy,
     map_tx: watch::Sender<Arc<Published>>,
+    status_tx: watch::Sender<Arc<StatusView>>,
     metrics: Arc<Metrics>,
-    started: Instant,
     store: Arc<dyn Store>,
 }
 
@@ -318,6 +341,10 @@ impl Cluster {
             compact: Arc::default(),
             delta: None,
         }));
+        let (status_tx, _) = watch::channel(Arc::new(StatusView {
+            status: StatusResponse::default(),
+            started: Instant::now(),
+        }));
         let mut c = Cluster {
             file_size: config_file_size,
             members: BTreeMap::new(),
@@ -336,8 +363,8 @@ impl Cluster {
             config_file_size,
             config_policy,
             map_tx,
+            status_tx,
             metrics,
-            started: Instant::now(),
             params,
             store,
         };
@@ -478,6 +505,7 @@ impl Cluster {
         if *self.map() != self.build_map() {
             self.publish_current();
         }
+        self.refresh_status();
         Ok(())
     }
 
@@ -506,6 +534,11 @@ impl Cluster {
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<Arc<Published>> {
         self.map_tx.subscribe()
+    }
+
+    /// The status as of the last save (see [`StatusView`]).
+    pub(crate) fn subscribe_status(&self) -> watch::Receiver<Arc<StatusView>> {
+        self.status_tx.subscribe()
     }
 
     pub(crate) fn map(&self) -> Arc<OwnershipMap> {
@@ -762,7 +795,9 @@ impl Cluster {
     /// moved nothing; once more on shutdown, so the last word in the store
     /// is this process's).
     pub(crate) fn save(&self) -> Result<(), CoordError> {
-        self.store_save(None)
+        self.store_save(None)?;
+        self.refresh_status();
+        Ok(())
     }
 
     /// Saves to the store, timing it.
@@ -789,6 +824,18 @@ impl Cluster {
             compact: self.compact.clone(),
             delta,
         }));
+        self.refresh_status();
+    }
+
+    /// Shows the state as it is now in `Status`: called once it is saved.
+    fn refresh_status(&self) {
+        let status = self.status();
+        self.status_tx.send_modify(|v| {
+            *v = Arc::new(StatusView {
+                status,
+                started: v.started,
+            });
+        });
     }
 
     fn members_for_metrics(&self) -> Vec<(String, NodeState)> {
@@ -1470,7 +1517,9 @@ impl Cluster {
         out
     }
 
-    pub(crate) fn status(&self) -> StatusResponse {
+    /// The status of the state as it is now (saved or not: see
+    /// [`StatusView`]).
+    fn status(&self) -> StatusResponse {
         let alive = self
             .members
             .values()
@@ -1491,18 +1540,9 @@ impl Cluster {
             extents_in_handoff: self.previous.iter().filter(|&&p| p != 0).count() as u64,
             lease_ms: self.lease_ms(),
             policy: Some(self.policy),
-            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             ..Default::default()
         }
-    }
-
-    /// Node index → (node id, gRPC address), for forwarding calls.
-    pub(crate) fn node_address(&self, index: u32) -> Option<(String, String)> {
-        self.members
-            .values()
-            .find(|m| m.info.index == index)
-            .map(|m| (m.info.node_id.clone(), m.info.grpc_address.clone()))
     }
 }
 
