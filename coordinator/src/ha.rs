@@ -200,7 +200,6 @@ impl Leadership {
 
     /// Completes after [`Leadership::follow`] was called (at once if it was
     /// called since the last wait).
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) async fn stepped_down(&self) {
         self.stepped_down.notified().await;
     }

@@ -17,6 +17,7 @@
 pub mod cli;
 pub mod config;
 pub mod error;
+mod follow;
 mod ha;
 pub mod metrics;
 mod persist;
@@ -59,41 +60,6 @@ pub enum StartError {
     Serve(#[from] tonic::transport::Error),
     #[error("state store: {0}")]
     Store(String),
-}
-
-/// The etcd store's options from the config.
-#[cfg(feature = "etcd")]
-fn etcd_options(
-    cfg: &Config,
-    endpoints: Vec<String>,
-) -> Result<store::etcd::EtcdOptions, StartError> {
-    let e = &cfg.etcd;
-    let user = match &e.password_file {
-        Some(path) => {
-            let password = std::fs::read_to_string(path)
-                .map_err(|err| {
-                    StartError::Store(format!(
-                        "cannot read etcd.password_file {}: {err}",
-                        path.display()
-                    ))
-                })?
-                .trim()
-                .to_owned();
-            Some((e.username.clone(), password))
-        }
-        None => None,
-    };
-    Ok(store::etcd::EtcdOptions {
-        endpoints,
-        prefix: cfg.etcd_prefix(),
-        lease_ttl_s: e.lease_ttl_s,
-        request_timeout: Duration::from_millis(e.request_timeout_ms),
-        user,
-        ca_file: e.ca_file.clone(),
-        cert_file: e.cert_file.clone(),
-        key_file: e.key_file.clone(),
-        domain: e.domain.clone(),
-    })
 }
 
 /// The addresses a started coordinator listens on.
@@ -209,8 +175,7 @@ pub async fn run(
     } else {
         cfg.advertise.clone()
     };
-    #[allow(unused_mut)]
-    let (mut cluster, ha) = match &spec {
+    let (cluster, ha, events) = match &spec {
         store::StoreSpec::File(path) => {
             let params = state::Params {
                 state_file: path.clone(),
@@ -219,77 +184,48 @@ pub async fn run(
             let c =
                 state::Cluster::open(params, cfg.map.file_size, cfg.policy()?, metrics.clone())?;
             metrics.leading.set(1);
-            (c, ha::Leadership::standalone(me.clone(), spec.describe()))
+            let ha = Arc::new(ha::Leadership::standalone(me.clone(), spec.describe()));
+            (c, ha, None)
         }
-        #[cfg(feature = "etcd")]
-        store::StoreSpec::Etcd(_) => (
+        store::StoreSpec::Etcd(endpoints) => {
+            let ha = Arc::new(ha::Leadership::candidate(me.clone(), spec.describe()));
+            let (store, events) =
+                store::connect_etcd(&cfg, endpoints, ha.clone(), metrics.clone()).await?;
             // Replaced by the store's state when this coordinator leads or
             // follows; until then it answers nothing it cannot confirm.
-            state::Cluster::new(
+            let c = state::Cluster::new(
                 params,
                 cfg.map.file_size,
                 cfg.policy()?,
                 metrics.clone(),
-                Arc::new(store::NoStore),
-            ),
-            ha::Leadership::candidate(me.clone(), spec.describe()),
-        ),
-        #[cfg(not(feature = "etcd"))]
-        store::StoreSpec::Etcd(_) => {
-            // `validate` refused it already.
-            return Err(ConfigError::Invalid {
-                key: "store",
-                reason: "built without the etcd store".into(),
-            }
-            .into());
+                store,
+            );
+            (c, ha, Some(events))
         }
     };
-    let ha = Arc::new(ha);
     let node_tls = cfg.tls.node_ca_file.clone().map(|ca_file| ClientTls {
         ca_file,
         domain: cfg.tls.node_domain.clone(),
     });
-    #[cfg(feature = "etcd")]
-    let mut etcd_events = None;
-    #[cfg(feature = "etcd")]
-    let mut etcd_store = None;
-    #[cfg(feature = "etcd")]
-    if let store::StoreSpec::Etcd(endpoints) = &spec {
-        let opts = etcd_options(&cfg, endpoints.clone())?;
-        let (etcd, rx) = store::etcd::EtcdStore::connect(opts, ha.clone(), metrics.clone())
-            .await
-            .map_err(StartError::Store)?;
-        cluster.set_store(etcd.clone());
-        etcd_store = Some(etcd);
-        etcd_events = Some(rx);
-    }
-    #[allow(unused_mut)]
-    let mut shared = service::Shared::new(
+    let shared = Arc::new(service::Shared::new(
         cluster,
         ha.clone(),
         metrics.clone(),
         AttachToken::new(&token).map_err(ConfigError::from)?,
         node_tls,
         Duration::from_millis(cfg.node_rpc_timeout_ms),
-    );
-    #[cfg(feature = "etcd")]
-    {
-        shared.etcd = etcd_store;
-    }
+    ));
     let mut background = tokio::task::JoinSet::new();
-    let shared = Arc::new(shared);
-    #[cfg(feature = "etcd")]
     let (fatal_tx, fatal_rx) = tokio::sync::oneshot::channel::<StartError>();
-    #[cfg(feature = "etcd")]
-    if let (Some(etcd), Some(rx)) = (shared.etcd.clone(), etcd_events) {
+    if let Some(rx) = events {
         let s = shared.clone();
         background.spawn(async move {
-            if let Err(e) = store::etcd::apply_events(s, rx).await {
-                tracing::error!(error = %e, "cannot go on with the state in etcd");
+            if let Err(e) = follow::apply_events(s, rx).await {
+                tracing::error!(error = %e, "cannot go on with the state in the store");
                 let _ = fatal_tx.send(e);
             }
         });
-        etcd.start();
+        shared.store.clone().start();
     }
     let mut metrics_addr = None;
     if !cfg.metrics_listen.is_empty() {
@@ -348,17 +284,11 @@ pub async fn run(
         grpc: grpc_addr,
         metrics: metrics_addr,
     });
-    #[cfg(feature = "etcd")]
     let shutdown = async move {
         tokio::select! {
             () = shutdown => None,
             Ok(e) = fatal_rx => Some(e),
         }
-    };
-    #[cfg(not(feature = "etcd"))]
-    let shutdown = async move {
-        shutdown.await;
-        None::<StartError>
     };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let stopping = shared.clone();
@@ -376,10 +306,7 @@ pub async fn run(
         // Hand the leadership over first, at once rather than after the
         // lease TTL: the server then waits for open streams (WatchMap) to
         // end before it returns.
-        #[cfg(feature = "etcd")]
-        if let Some(etcd) = &stopping.etcd {
-            etcd.resign().await;
-        }
+        stopping.store.resign().await;
         stopping.stopping.send_replace(true);
         let _ = stop_tx.send(());
         r

@@ -25,6 +25,7 @@ use crate::error::CoordError;
 use crate::ha::Leadership;
 use crate::metrics::Metrics;
 use crate::state::{Cluster, Published, StatusView};
+use crate::store::Store;
 
 type Client = NodeClient<InterceptedService<Channel, AttachToken>>;
 
@@ -42,8 +43,9 @@ pub(crate) struct Shared {
     /// What `Status` shows, as of the last save, read without the lock.
     status: tokio::sync::watch::Receiver<Arc<StatusView>>,
     pub(crate) ha: Arc<Leadership>,
-    #[cfg(feature = "etcd")]
-    pub(crate) etcd: Option<Arc<crate::store::etcd::EtcdStore>>,
+    /// The store the cluster saves to, for what else it does (see
+    /// [`Store`]).
+    pub(crate) store: Arc<dyn Store>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) token: AttachToken,
     pub(crate) node_tls: Option<ClientTls>,
@@ -65,10 +67,9 @@ impl Shared {
         Self {
             published: cluster.subscribe(),
             status: cluster.subscribe_status(),
+            store: cluster.store(),
             cluster: Arc::new(tokio::sync::Mutex::new(cluster)),
             ha,
-            #[cfg(feature = "etcd")]
-            etcd: None,
             metrics,
             token,
             node_tls,
@@ -141,11 +142,7 @@ impl Shared {
         if self.ha.is_leading() {
             return Ok(());
         }
-        #[cfg(feature = "etcd")]
-        if let Some(etcd) = &self.etcd {
-            return etcd.confirm().await;
-        }
-        Err("this coordinator does not lead".into())
+        self.store.confirm().await
     }
 
     /// A read that must be current: refused while it cannot be confirmed,
@@ -169,11 +166,9 @@ impl Shared {
 
     /// Every coordinator sharing the store, with its role as this one sees it.
     async fn peers(&self, view: &crate::ha::View) -> Vec<CoordinatorPeer> {
-        #[allow(unused_mut)]
-        let mut addresses = vec![self.ha.me().to_owned()];
-        #[cfg(feature = "etcd")]
-        if let Some(etcd) = &self.etcd {
-            addresses = etcd.peers().await.unwrap_or(addresses);
+        let mut addresses = self.store.peers().await.unwrap_or_default();
+        if addresses.is_empty() {
+            addresses.push(self.ha.me().to_owned());
         }
         addresses.sort();
         addresses.dedup();
@@ -638,7 +633,7 @@ pub(crate) mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     use crate::persist::PersistedState;
-    use crate::store::{Store, StoreError};
+    use crate::store::StoreError;
 
     /// A store that keeps nothing and takes `delay_ms` per save (an etcd
     /// that answers slowly), recording the epochs saved.

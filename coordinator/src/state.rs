@@ -511,7 +511,6 @@ impl Cluster {
 
     /// Gives every member holding a lease a fresh one (a follower that
     /// starts leading: it saw none of their heartbeats).
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn renew_all_leases(&mut self) {
         let deadline = Instant::now() + self.params.lease;
         for m in self.members.values_mut() {
@@ -521,13 +520,11 @@ impl Cluster {
         }
     }
 
-    /// Saves to `store` from now on.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-    pub(crate) fn set_store(&mut self, store: Arc<dyn Store>) {
-        self.store = store;
+    /// The store it saves to.
+    pub(crate) fn store(&self) -> Arc<dyn Store> {
+        self.store.clone()
     }
 
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch
     }

@@ -1,17 +1,47 @@
 //! Where the cluster state lives: the state file (the default, one
 //! coordinator) or etcd (several coordinators, one leading; feature `etcd`).
 //!
-//! [`crate::state::Cluster`] saves through [`Store::save`] before it
-//! publishes anything, so a published epoch is always in the store. The
-//! etcd store fences every save on the leadership it won (see
-//! [`etcd`]'s header); the file store has nothing to fence.
+//! # The invariant: nothing is published before it is durable
+//!
+//! No epoch is served and no call acknowledged before the state it shows is
+//! in the store. That holds because:
+//!
+//! 1. [`crate::state::Cluster`] saves through [`Store::save`] inside every
+//!    change, and only after it returned `Ok` publishes the map (the watch
+//!    channel `GetMap`, `WatchMap` and `Warm`/`Evict` read) and the status
+//!    (`Status`); a change whose save failed is undone whole and its call
+//!    answers the error.
+//! 2. A change returns its answer only after its save (the service awaits
+//!    the change, save included, before it replies).
+//! 3. The reads that do not take the cluster lock read only those two
+//!    published values, never the cluster itself, so a save in progress
+//!    (which holds the lock) shows nowhere until it has succeeded.
+//! 4. The etcd store fences every save on the leadership it won (see
+//!    [`etcd`]'s header); the file store has nothing to fence.
+//!
+//! # What the service asks of a store
+//!
+//! [`Store`] is all of it: `save`, and for a store shared by several
+//! coordinators `start` (its election and state watch), `confirm` (a
+//! follower's read is current), `peers` (`Status.coordinators`) and
+//! `resign` (on shutdown). The file store has one coordinator, which leads
+//! for ever: it keeps the defaults, which do nothing. [`connect_etcd`] is
+//! the one place that knows whether the etcd store is built in.
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
 
-use crate::config::ConfigError;
+use tokio::sync::mpsc;
+
+use crate::config::{Config, ConfigError};
+use crate::follow::Event;
+use crate::ha::Leadership;
+use crate::metrics::Metrics;
 use crate::persist::{self, PersistError, PersistedState};
 
 /// Which store a `store` setting names.
@@ -87,6 +117,9 @@ pub enum StoreError {
     Unavailable(String),
 }
 
+/// A future a [`Store`] returns (the trait is used as `dyn Store`).
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
 /// Something that keeps the cluster state.
 pub(crate) trait Store: Send + Sync {
     /// Saves `state` durably. `new_epoch` is the epoch this save publishes
@@ -96,16 +129,57 @@ pub(crate) trait Store: Send + Sync {
         state: &PersistedState,
         new_epoch: Option<(u64, &str)>,
     ) -> Result<(), StoreError>;
+
+    /// Starts the store's own tasks (an election, a watch of the state).
+    /// None by default.
+    fn start(self: Arc<Self>) {}
+
+    /// Confirms that a follower's copy of the state is the store's current
+    /// one; only a follower asks (a leader wrote its copy). By default
+    /// there are no followers: refused.
+    fn confirm(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { Err("this coordinator does not lead".to_owned()) })
+    }
+
+    /// The addresses of the coordinators sharing the store; empty (by
+    /// default) when the store keeps no list: then it is this one alone.
+    fn peers(&self) -> BoxFuture<'_, Result<Vec<String>, String>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
+    /// Stops leading and lets another coordinator lead at once (on
+    /// shutdown). Nothing by default.
+    fn resign(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
 }
 
-/// Refuses every save: a coordinator on etcd before it is connected.
-#[cfg(feature = "etcd")]
-pub(crate) struct NoStore;
-
-#[cfg(feature = "etcd")]
-impl Store for NoStore {
-    fn save(&self, _: &PersistedState, _: Option<(u64, &str)>) -> Result<(), StoreError> {
-        Err(StoreError::NotLeader { leader: None })
+/// Connects to the etcd store at `endpoints` (the `[etcd]` settings from
+/// `cfg`), returning it with the receiver of its events, for
+/// [`crate::follow::apply_events`]. Refused when built without the
+/// `etcd` feature (the config's validation says so first).
+pub(crate) async fn connect_etcd(
+    cfg: &Config,
+    endpoints: &[String],
+    ha: Arc<Leadership>,
+    metrics: Arc<Metrics>,
+) -> Result<(Arc<dyn Store>, mpsc::UnboundedReceiver<Event>), crate::StartError> {
+    #[cfg(feature = "etcd")]
+    {
+        let opts = etcd::EtcdOptions::from_config(cfg, endpoints.to_vec())?;
+        let (store, events) = etcd::EtcdStore::connect(opts, ha, metrics)
+            .await
+            .map_err(crate::StartError::Store)?;
+        Ok((store, events))
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = (cfg, endpoints, ha, metrics);
+        Err(ConfigError::Invalid {
+            key: "store",
+            reason: "built without the etcd store".into(),
+        }
+        .into())
     }
 }
 
