@@ -103,7 +103,7 @@ pub(crate) async fn apply_events(
 /// Loads the state of revision `rev` into a follower's cluster.
 fn follow_state(
     shared: &crate::service::Shared,
-    c: &mut crate::state::Cluster,
+    c: &mut crate::state::ClusterState,
     state: PersistedState,
     rev: i64,
 ) {
@@ -128,7 +128,7 @@ mod tests {
     use crate::ha::Leadership;
     use crate::metrics::Metrics;
     use crate::service::{CoordinatorService, Shared};
-    use crate::state::{Cluster, Params};
+    use crate::state::{ClusterState, Params};
     use crate::store::{Store, StoreError};
 
     /// etcd as the leader sees it: every save commits at the next revision
@@ -203,7 +203,7 @@ mod tests {
             heartbeat_interval: Duration::from_secs(1),
             state_file: "unused".into(),
         };
-        let cluster = Cluster::new(
+        let cluster = ClusterState::new(
             params,
             0,
             crate::config::Config::default().policy().unwrap(),

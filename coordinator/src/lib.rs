@@ -181,8 +181,12 @@ pub async fn run(
                 state_file: path.clone(),
                 ..params
             };
-            let c =
-                state::Cluster::open(params, cfg.map.file_size, cfg.policy()?, metrics.clone())?;
+            let c = state::ClusterState::open(
+                params,
+                cfg.map.file_size,
+                cfg.policy()?,
+                metrics.clone(),
+            )?;
             metrics.leading.set(1);
             let ha = Arc::new(ha::Leadership::standalone(me.clone(), spec.describe()));
             (c, ha, None)
@@ -193,7 +197,7 @@ pub async fn run(
                 store::connect_etcd(&cfg, endpoints, ha.clone(), metrics.clone()).await?;
             // Replaced by the store's state when this coordinator leads or
             // follows; until then it answers nothing it cannot confirm.
-            let c = state::Cluster::new(
+            let c = state::ClusterState::new(
                 params,
                 cfg.map.file_size,
                 cfg.policy()?,

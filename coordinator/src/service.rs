@@ -24,7 +24,7 @@ use tonic::{Request, Response, Status};
 use crate::error::CoordError;
 use crate::ha::Leadership;
 use crate::metrics::Metrics;
-use crate::state::{Cluster, Published, StatusView};
+use crate::state::{ClusterState, Published, StatusView};
 use crate::store::Store;
 
 type Client = NodeClient<InterceptedService<Channel, AttachToken>>;
@@ -37,7 +37,7 @@ pub(crate) struct Shared {
     /// `WatchMap`, `Status`, the owners `Warm` and `Evict` forward to) read
     /// `published` and `status` instead, so a slow save does not hold
     /// them up.
-    cluster: Arc<tokio::sync::Mutex<Cluster>>,
+    cluster: Arc<tokio::sync::Mutex<ClusterState>>,
     /// The published map, read without the cluster lock.
     published: tokio::sync::watch::Receiver<Arc<Published>>,
     /// What `Status` shows, as of the last save, read without the lock.
@@ -57,7 +57,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn new(
-        cluster: Cluster,
+        cluster: ClusterState,
         ha: Arc<Leadership>,
         metrics: Arc<Metrics>,
         token: AttachToken,
@@ -82,7 +82,7 @@ impl Shared {
     /// The cluster, for what does not save (a save may hold it for up to
     /// the store's request timeout: use [`Shared::write`] or
     /// [`Shared::blocking`]).
-    pub(crate) async fn cluster(&self) -> tokio::sync::MutexGuard<'_, Cluster> {
+    pub(crate) async fn cluster(&self) -> tokio::sync::MutexGuard<'_, ClusterState> {
         self.cluster.lock().await
     }
 
@@ -98,7 +98,7 @@ impl Shared {
     /// done).
     pub(crate) async fn blocking<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Cluster) -> T + Send + 'static,
+        f: impl FnOnce(&mut ClusterState) -> T + Send + 'static,
     ) -> Result<T, tokio::task::JoinError> {
         let mut c = self.cluster.clone().lock_owned().await;
         tokio::task::spawn_blocking(move || f(&mut c)).await
@@ -108,7 +108,7 @@ impl Shared {
     /// and after waiting for the lock.
     async fn write<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Cluster) -> Result<T, CoordError> + Send + 'static,
+        f: impl FnOnce(&mut ClusterState) -> Result<T, CoordError> + Send + 'static,
     ) -> Result<T, Status> {
         self.write_if(|_| true, f).await
     }
@@ -118,8 +118,8 @@ impl Shared {
     /// them), which spares the blocking thread's round trip.
     async fn write_if<T: Send + 'static>(
         &self,
-        may_save: impl FnOnce(&Cluster) -> bool,
-        f: impl FnOnce(&mut Cluster) -> Result<T, CoordError> + Send + 'static,
+        may_save: impl FnOnce(&ClusterState) -> bool,
+        f: impl FnOnce(&mut ClusterState) -> Result<T, CoordError> + Send + 'static,
     ) -> Result<T, Status> {
         self.ha.check_write().map_err(Status::from)?;
         let mut c = self.cluster.clone().lock_owned().await;
@@ -418,7 +418,7 @@ impl Coordinator for CoordinatorService {
         let req = req.into_inner();
         let r = self
             .shared
-            .write_if(Cluster::heartbeat_may_save, move |c| c.heartbeat(req))
+            .write_if(ClusterState::heartbeat_may_save, move |c| c.heartbeat(req))
             .await;
         self.track("Heartbeat", r)
     }
@@ -663,7 +663,7 @@ pub(crate) mod tests {
             state_file: "unused".into(),
         };
         let metrics = Arc::new(Metrics::new());
-        let cluster = Cluster::new(
+        let cluster = ClusterState::new(
             params,
             0,
             crate::config::Config::default().policy().unwrap(),

@@ -6,7 +6,7 @@
 //! No epoch is served and no call acknowledged before the state it shows is
 //! in the store. That holds because:
 //!
-//! 1. [`crate::state::Cluster`] saves through [`Store::save`] inside every
+//! 1. [`crate::state::ClusterState`] saves through [`Store::save`] inside every
 //!    change, and only after it returned `Ok` publishes the map (the watch
 //!    channel `GetMap`, `WatchMap` and `Warm`/`Evict` read) and the status
 //!    (`Status`); a change whose save failed is undone whole and its call
