@@ -19,8 +19,7 @@ use pagewire_proto::v1::{
 };
 use serde_json::Value;
 
-#[path = "../../proto/tests/support/signal.rs"]
-mod signal;
+use pagewire_testkit::signal;
 
 const TOKEN: &str = "test-cluster-token";
 /// Lease for the tests that do not time failure detection: long enough that

@@ -25,12 +25,11 @@ use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::coordinator_client::CoordinatorClient;
 use pagewire_proto::v1::node_client::NodeClient;
 
-#[path = "../../proto/tests/support/signal.rs"]
-mod signal;
 use pagewire_proto::v1::{
     CoordinatorRole, DrainRequest, GetMapRequest, ListNodesRequest, NodeState, OwnershipMap,
     PageRun, ReadRequest, RegisterRequest, StatusRequest, StatusResponse, WatchMapRequest,
 };
+use pagewire_testkit::signal;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 

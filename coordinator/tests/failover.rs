@@ -1,26 +1,20 @@
 //! `pwctl --coordinator a,b,...` against fake coordinators in this process
-//! (`proto/tests/support/fake_coordinator.rs`): reads are answered by the
+//! (`pagewire_testkit::fake_coordinator`): reads are answered by the
 //! first coordinator that answers, writes reach the leader the followers
 //! name, and `pwctl status` shows the coordinators and the store.
-
-#[path = "../../proto/tests/support/fake_coordinator.rs"]
-mod fake_coordinator;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use fake_coordinator::{Fake, Role};
 use pagewire_proto::v1::CoordinatorRole;
+use pagewire_testkit::fake_coordinator::{Fake, Role};
+use pagewire_testkit::free_port;
 use serde_json::Value;
 
 const TOKEN: &str = "pwctl-failover-token";
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    pagewire_testkit::rt_multi(1)
 }
 
 fn pwctl(token: &Path, coordinators: &str, args: &[&str]) -> Output {
@@ -32,13 +26,6 @@ fn pwctl(token: &Path, coordinators: &str, args: &[&str]) -> Output {
         .env_remove("PAGEWIRE_COORDINATOR")
         .output()
         .expect("run pwctl")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 struct Setup {

@@ -27,8 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-#[path = "../../proto/tests/support/signal.rs"]
-mod signal;
+use pagewire_testkit::signal;
 
 const TOKEN: &str = "client-test-token";
 const PS: usize = 4096;

@@ -1,87 +1,45 @@
 //! Coordinator failover of the node daemon and of the cluster client's map
 //! follower, against fake coordinators in this process
-//! (`proto/tests/support/fake_coordinator.rs`): a candidate that refuses
+//! (`pagewire_testkit::fake_coordinator`): a candidate that refuses
 //! everything naming no leader, a follower that serves reads and names the
 //! leader on writes, and the leader.
 
-#[path = "../../proto/tests/support/fake_coordinator.rs"]
-mod fake_coordinator;
-
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use fake_coordinator::{Fake, Role};
 use pagewire_client::cluster::{FollowerConfig, MapFollower};
 use pagewire_proto::v1::OwnershipMap;
+use pagewire_testkit::fake_coordinator::{Fake, Role};
+use pagewire_testkit::process::Proc;
+use pagewire_testkit::wait_for;
 
 const TOKEN: &str = "failover-test-token";
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
+    pagewire_testkit::rt_multi(1)
 }
 
-fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("timed out after {limit:?} waiting for {what}");
-}
-
-/// A node daemon process; killed on drop, its log shown when a test fails.
-struct NodeProc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl NodeProc {
-    fn start(dir: &Path, coordinators: &str) -> Self {
-        std::fs::write(dir.join("token"), TOKEN).expect("token file");
-        std::fs::File::create(dir.join("data.bin"))
-            .and_then(|f| f.set_len(1 << 20))
-            .expect("backing file");
-        let log = dir.join("node.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_pagewire-node"))
-            .args(["--node-id", "n1"])
-            .arg("--backing-file")
-            .arg(dir.join("data.bin"))
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", ""])
-            .args(["--coordinator", coordinators])
-            .arg("--token-file")
-            .arg(dir.join("token"))
-            .args(["--frames", "64"])
-            .arg("--shm-dir")
-            .arg(dir)
-            .env_remove("RUST_LOG")
-            .env_remove("PAGEWIRE_COORDINATOR")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("spawn pagewire-node");
-        NodeProc { child, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for NodeProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- node log ---\n{}", self.log());
-        }
-    }
+/// A node daemon process over a 1 MiB file in `dir`, registering with the
+/// list `coordinators`.
+fn start_node(dir: &Path, coordinators: &str) -> Proc {
+    std::fs::write(dir.join("token"), TOKEN).expect("token file");
+    std::fs::File::create(dir.join("data.bin"))
+        .and_then(|f| f.set_len(1 << 20))
+        .expect("backing file");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pagewire-node"));
+    cmd.args(["--node-id", "n1"])
+        .arg("--backing-file")
+        .arg(dir.join("data.bin"))
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", ""])
+        .args(["--coordinator", coordinators])
+        .arg("--token-file")
+        .arg(dir.join("token"))
+        .args(["--frames", "64"])
+        .arg("--shm-dir")
+        .arg(dir)
+        .env_remove("PAGEWIRE_COORDINATOR");
+    Proc::start("node", &mut cmd, dir.join("node.log"))
 }
 
 #[test]
@@ -99,7 +57,7 @@ fn the_node_follows_refusals_to_the_leader_for_every_call() {
     let dir = tempfile::tempdir().expect("tempdir");
     // The leader is not in the list: only the follower's hint names it.
     let list = format!("{},{}", candidate.address, follower.address);
-    let mut node = NodeProc::start(dir.path(), &list);
+    let mut node = start_node(dir.path(), &list);
 
     wait_for("heartbeats on the leader", Duration::from_secs(20), || {
         leader.count("Heartbeat") >= 3
@@ -113,7 +71,7 @@ fn the_node_follows_refusals_to_the_leader_for_every_call() {
         candidate.count("Heartbeat") + follower.count("Heartbeat"),
         0
     );
-    let log = node.log();
+    let log = node.log_text();
     for (from, to) in [
         (&candidate.address, &follower.address),
         (&follower.address, &leader.address),
@@ -148,7 +106,7 @@ fn the_node_follows_refusals_to_the_leader_for_every_call() {
     assert!(ok.success());
     let status = node.child.wait().expect("wait for the node");
     assert!(status.success(), "node exited with {status}");
-    assert_eq!(leader.count("Leave"), 1, "{}", node.log());
+    assert_eq!(leader.count("Leave"), 1, "{}", node.log_text());
 }
 
 fn map(epoch: u64) -> OwnershipMap {
@@ -182,7 +140,7 @@ fn the_node_never_rolls_its_map_back_to_an_older_epoch_from_another_coordinator(
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let list = format!("{},{}", ahead.address, behind.address);
-    let node = NodeProc::start(dir.path(), &list);
+    let node = start_node(dir.path(), &list);
     wait_for("epoch 5 applied", Duration::from_secs(20), || {
         ahead.state().heartbeat_epochs.last() == Some(&5)
     });
@@ -199,7 +157,7 @@ fn the_node_never_rolls_its_map_back_to_an_older_epoch_from_another_coordinator(
     assert!(
         epochs.iter().all(|&e| e == 5),
         "the node rolled its map back: applied epochs {epochs:?}\n{}",
-        node.log()
+        node.log_text()
     );
 }
 

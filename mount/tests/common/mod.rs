@@ -3,23 +3,25 @@
 //! `pagewire-mount` processes on a directory of it, and commands run with a
 //! bound on their time.
 //!
-//! Needs the daemons built beside `pagewire-mount` (`cargo build -p
-//! pagewire-node -p pagewire-coordinator` in the same target directory;
-//! `cargo test --workspace` builds them), /dev/fuse, fusermount3 (Debian
-//! `fuse3`), and per test fio and python3: [`preflight`] fails the test
-//! with the name of what is missing.
+//! The cluster is the test kit's (`pagewire_testkit::cluster`). Needs the
+//! daemons built beside `pagewire-mount` (`cargo build -p pagewire-node -p
+//! pagewire-coordinator` in the same target directory; `cargo test
+//! --workspace` builds them), /dev/fuse, fusermount3 (Debian `fuse3`), and
+//! per test fio and python3: [`preflight`] fails the test with the name of
+//! what is missing.
 
 #![allow(dead_code)]
 
+use std::ops::{Deref, DerefMut};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Command, ExitStatus, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use pagewire_proto::auth::AttachToken;
-use pagewire_proto::v1::coordinator_client::CoordinatorClient;
-use pagewire_proto::v1::{GetMapRequest, ListNodesRequest, NodeInfo, NodeState, OwnershipMap};
+use pagewire_testkit::bins;
+use pagewire_testkit::cluster::Daemons;
+use pagewire_testkit::process::Proc;
 
 pub const TOKEN: &str = "mount-test-token";
 pub const PS: usize = 4096;
@@ -68,90 +70,36 @@ pub fn mount_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_pagewire-mount"))
 }
 
-fn daemon_bin(name: &str) -> PathBuf {
-    let p = mount_bin().parent().expect("binary dir").join(name);
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build -p pagewire-node -p pagewire-coordinator` with the same target directory (cargo test --workspace builds it)",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-pub struct Proc {
-    pub name: String,
-    pub child: Child,
-    pub log: PathBuf,
-}
-
-impl Proc {
-    pub fn signal(&self, signal: &str) {
-        let ok = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("run kill");
-        assert!(ok.success(), "kill -{signal} {}", self.name);
-    }
-
-    /// Its exit status, waiting at most `limit`; None: still running.
-    pub fn wait_for_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let start = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().expect("wait") {
-                return Some(st);
-            }
-            if start.elapsed() >= limit {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn print_tail(&self) {
-        let log = self.log_text();
-        let tail: Vec<&str> = log.lines().rev().take(15).collect();
-        eprintln!("--- last lines of {} ---", self.name);
-        for l in tail.iter().rev() {
-            eprintln!("{l}");
-        }
+fn daemons() -> Daemons {
+    let build = "cargo build -p pagewire-node -p pagewire-coordinator";
+    Daemons {
+        coordinator: bins::beside("pagewire-coordinator", build),
+        node: bins::beside("pagewire-node", build),
     }
 }
 
+/// The kit's loopback cluster, with one cache size for every node, that
+/// detaches the mounts a failed test left under its directory.
 pub struct Cluster {
-    pub dir: tempfile::TempDir,
-    port: u16,
-    pub lease_ms: u64,
-    pub coord: Option<Proc>,
-    pub nodes: Vec<Proc>,
+    inner: pagewire_testkit::cluster::Cluster,
     frames: u64,
+}
+
+impl Deref for Cluster {
+    type Target = pagewire_testkit::cluster::Cluster;
+    fn deref(&self) -> &Self::Target {
+        &self.inner
+    }
+}
+
+impl DerefMut for Cluster {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.inner
+    }
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let panicking = std::thread::panicking();
-        for p in self.coord.iter_mut().chain(self.nodes.iter_mut()) {
-            p.kill9();
-            if panicking {
-                p.print_tail();
-            }
-        }
         // Mounts still under the directory (a failed test): detach them
         // before the directory is removed.
         let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
@@ -164,33 +112,15 @@ impl Drop for Cluster {
     }
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-type Coord = CoordinatorClient<
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
->;
-
 impl Cluster {
     /// A cluster of `nodes` nodes of `frames` frames each over a backing
     /// file that `make` writes (at the path it is given); waits until it is
     /// settled.
     pub fn start(nodes: usize, frames: u64, lease_ms: u64, make: impl FnOnce(&Path)) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
-        make(&dir.path().join("backing"));
-        let mut c = Cluster {
-            dir,
-            port: free_port(),
-            lease_ms,
-            coord: None,
-            nodes: Vec::new(),
-            frames,
-        };
+        let inner =
+            pagewire_testkit::cluster::Cluster::new(daemons(), TOKEN, lease_ms, EXTENT, "backing");
+        make(&inner.backing);
+        let mut c = Cluster { inner, frames };
         c.start_coordinator();
         for i in 1..=nodes {
             c.start_node(&format!("n{i}"));
@@ -206,155 +136,26 @@ impl Cluster {
         })
     }
 
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
     pub fn backing(&self) -> PathBuf {
-        self.path("backing")
+        self.inner.backing.clone()
     }
 
-    pub fn coord_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    pub fn start_coordinator(&mut self) {
-        let log = self.path("coordinator.log");
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
-        let child = Command::new(daemon_bin("pagewire-coordinator"))
-            .arg("--listen")
-            .arg(self.coord_addr())
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .arg("--state-file")
-            .arg(self.path("coordinator.state"))
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .arg("--lease-ms")
-            .arg(self.lease_ms.to_string())
-            .arg("--extent-size")
-            .arg(EXTENT.to_string())
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn coordinator");
-        self.coord = Some(Proc {
-            name: "coordinator".into(),
-            child,
-            log,
-        });
-        self.wait_for("the coordinator to answer", |c| c.map().is_some());
-    }
-
+    /// Starts node `id` (again), with the cluster's cache size.
     pub fn start_node(&mut self, id: &str) {
-        let log = self.path(&format!("{id}.log"));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
-        let child = Command::new(daemon_bin("pagewire-node"))
-            .args(["--node-id", id])
-            .arg("--backing-file")
-            .arg(self.backing())
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .arg("--coordinator")
-            .arg(self.coord_addr())
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .arg("--frames")
-            .arg(self.frames.to_string())
-            .arg("--shm-dir")
-            .arg(self.path(""))
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn node");
-        self.nodes.retain(|p| p.name != id);
-        self.nodes.push(Proc {
-            name: id.into(),
-            child,
-            log,
-        });
-    }
-
-    pub fn node(&mut self, id: &str) -> &mut Proc {
-        self.nodes.iter_mut().find(|p| p.name == id).expect("node")
+        let frames = self.frames;
+        self.inner.start_node(id, frames);
     }
 
     /// kill -9 of the coordinator and every node.
     pub fn kill_all(&mut self) {
-        for p in self.coord.iter_mut().chain(self.nodes.iter_mut()) {
+        for p in self
+            .inner
+            .coord
+            .iter_mut()
+            .chain(self.inner.nodes.iter_mut())
+        {
             p.kill9();
         }
-    }
-
-    fn coord_call<T, Fut>(&self, call: impl FnOnce(Coord) -> Fut) -> Option<T>
-    where
-        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        let addr = self.coord_addr();
-        rt().block_on(async move {
-            let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(2))
-                .await
-                .ok()?;
-            let c =
-                CoordinatorClient::with_interceptor(ch, AttachToken::new(TOKEN).expect("token"));
-            let r = tokio::time::timeout(Duration::from_secs(5), call(c))
-                .await
-                .ok()?;
-            r.ok().map(tonic::Response::into_inner)
-        })
-    }
-
-    pub fn map(&self) -> Option<OwnershipMap> {
-        self.coord_call(|mut c| async move { c.get_map(GetMapRequest::default()).await })
-    }
-
-    fn nodes_info(&self) -> Option<Vec<NodeInfo>> {
-        self.coord_call(|mut c| async move { c.list_nodes(ListNodesRequest {}).await })
-            .map(|r| r.nodes)
-    }
-
-    pub fn wait_for(&self, what: &str, mut ok: impl FnMut(&Self) -> bool) -> Duration {
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(30) {
-            if ok(self) {
-                return start.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("timed out after 30 s waiting for {what}");
-    }
-
-    /// Waits until `n` nodes are alive and applied the current epoch, every
-    /// extent has an owner and no handoff is in progress.
-    pub fn wait_stable(&self, n: usize) -> OwnershipMap {
-        let mut out = None;
-        self.wait_for(&format!("{n} settled nodes"), |c| {
-            let (Some(map), Some(nodes)) = (c.map(), c.nodes_info()) else {
-                return false;
-            };
-            let alive: Vec<&NodeInfo> = nodes
-                .iter()
-                .filter(|x| x.state == NodeState::Alive as i32)
-                .collect();
-            let ok = map.epoch != 0
-                && alive.len() == n
-                && map.owner.iter().all(|&o| o != 0)
-                && map.previous_owner.iter().all(|&p| p == 0)
-                && alive.iter().all(|x| x.applied_epoch == map.epoch);
-            if ok {
-                out = Some(map);
-            }
-            ok
-        });
-        out.expect("map")
     }
 }
 
@@ -416,6 +217,7 @@ impl Mount {
             .stderr(out)
             .spawn()
             .expect("spawn pagewire-mount");
+        // Not `Proc::start`, which clears RUST_LOG.
         let mut m = Mount {
             proc: Proc {
                 name: format!("pagewire-mount on {name}"),
@@ -480,11 +282,10 @@ impl Mount {
     }
 }
 
+/// Then `proc` is dropped: killed, and its log's tail shown if the test
+/// panics.
 impl Drop for Mount {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.proc.print_tail();
-        }
         if !self.stopped {
             let _ = Command::new("kill")
                 .arg("-TERM")

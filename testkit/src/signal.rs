@@ -10,11 +10,6 @@
 //! freeze" was answered, correctly, before the write it was then compared
 //! with). [`signal`] with `STOP` therefore waits until every thread of the
 //! process is stopped.
-//!
-//! Shared by the node's and the coordinator's tests (`#[path]`-included,
-//! like `fake_coordinator.rs`).
-
-#![allow(dead_code)]
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -5,10 +5,7 @@
 //! candidate refuses everything, naming no one. Each fake records the calls
 //! it received, so a test can tell which coordinator a client reached.
 //!
-//! Shared by the node's and the coordinator's tests (`#[path]`-included:
-//! it is not a test target of this crate, since it sits in a subdirectory).
-
-#![allow(dead_code)]
+//! Used by the node's failover test and pwctl's.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
