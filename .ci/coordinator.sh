@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks of the proto, coordinator, pwctl and node-daemon code beyond the
 # workspace's fmt/clippy/tests (which .ci/run runs):
-#   1. their tests, the end-to-end cluster tests included (real processes on
-#      loopback), run explicitly so a filter elsewhere cannot skip them;
+#   1. their tests and the end-to-end tests (pagewire-e2e: real processes on
+#      loopback, built by that package), run explicitly so a filter elsewhere
+#      cannot skip them;
 #   2. a smoke run of a three-node cluster driven by pwctl: status, nodes,
 #      map, topology, warm, stats, evict, /metrics, kill -9 of a node, drain;
 #   3. the same over TLS (rustls) with a throwaway CA made by openssl.
@@ -25,15 +26,15 @@ fi
 echo "== build"
 cargo build --locked -p pagewire-coordinator --bins -p pagewire-node --bin pagewire-node
 
-echo "== tests: proto, coordinator (unit + end-to-end), node daemon"
+echo "== tests: proto, coordinator, end-to-end (pagewire-e2e), node daemon"
 if [[ ${PAGEWIRE_CI_TESTED:-0} == 1 ]]; then
   # .ci/run ran `cargo test --workspace` already, which holds these.
   echo "(run by .ci/run's workspace tests: skipped here)"
 elif cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
+  cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator -p pagewire-e2e
   cargo nextest run --locked --no-fail-fast -p pagewire-node --lib daemon::
 else
-  cargo test --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator
+  cargo test --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator -p pagewire-e2e
   cargo test --locked --no-fail-fast -p pagewire-node --lib daemon::
 fi
 

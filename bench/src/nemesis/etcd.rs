@@ -1,5 +1,5 @@
 //! Three etcd members on loopback ports for the coordinators' failover
-//! (started as coordinator/tests/etcd.rs starts them), killed on drop.
+//! (started as e2e/tests/etcd.rs starts them), killed on drop.
 
 use std::path::Path;
 use std::process::Command;

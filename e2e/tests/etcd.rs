@@ -5,33 +5,34 @@
 //! Needs the `etcd` feature and `etcd` on the PATH (and `openssl` for the
 //! TLS test). Without the etcd binary the tests print why and pass, unless
 //! `PAGEWIRE_REQUIRE_ETCD=1` (CI sets it), which makes a missing binary a
-//! failure. `pagewire-node` must be built
-//! (`cargo build -p pagewire-node`; `cargo test --workspace` builds it).
+//! failure.
 //!
 //! Each test prints what it measured (failover times, epochs per leader,
 //! how long map changes stalled) for the closing notes of the work.
 
 #![cfg(feature = "etcd")]
 
-use std::net::TcpListener;
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pagewire_coordinator::store::etcd::{EpochRecord, epoch_history};
+use pagewire_node::pattern;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::coordinator_client::CoordinatorClient;
 use pagewire_proto::v1::node_client::NodeClient;
-
 use pagewire_proto::v1::{
     CoordinatorRole, DrainRequest, GetMapRequest, ListNodesRequest, NodeState, OwnershipMap,
     PageRun, ReadRequest, RegisterRequest, StatusRequest, StatusResponse, WatchMapRequest,
 };
-use pagewire_testkit::signal;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
+use pagewire_testkit::cluster::{coordinator_command, node_command};
+use pagewire_testkit::grpc::CoordinatorRpc as Coord;
+use pagewire_testkit::process::Proc;
+use pagewire_testkit::{free_port, rt};
 
 const TOKEN: &str = "test-cluster-token";
 const PAGE: u64 = 4096;
@@ -64,75 +65,7 @@ fn etcd_available() -> bool {
     found
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
-}
-
-fn coordinator_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-coordinator"))
-}
-
-fn node_bin() -> PathBuf {
-    let p = coordinator_bin()
-        .parent()
-        .expect("binary dir")
-        .join("pagewire-node");
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build -p pagewire-node`",
-        p.display()
-    );
-    p
-}
-
-struct Proc {
-    name: String,
-    child: Option<Child>,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// With STOP, returns once every thread of the process is stopped.
-    fn signal(&self, signal: &str) {
-        signal::signal(self.pid(), &self.name, signal);
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-/// SplitMix64, as the brief fixes the self-describing page format.
-fn fill(page: u64, buf: &mut [u8]) {
-    const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-    buf[..8].copy_from_slice(&page.to_le_bytes());
-    buf[8..16].copy_from_slice(&0u64.to_le_bytes());
-    let mut state = page.wrapping_mul(GOLDEN);
-    for c in buf[16..].chunks_exact_mut(8) {
-        state = state.wrapping_add(GOLDEN);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        c.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-}
-
 struct World {
-    dir: tempfile::TempDir,
     etcd_client: Vec<u16>,
     etcd_peer: Vec<u16>,
     etcd: Vec<Proc>,
@@ -143,32 +76,9 @@ struct World {
     /// Set: etcd serves its clients over TLS and requires client
     /// certificates (see [`EtcdTls`]).
     tls: Option<EtcdTls>,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        let panicking = std::thread::panicking();
-        for p in self
-            .coords
-            .iter_mut()
-            .chain(self.nodes.iter_mut())
-            .chain(self.etcd.iter_mut())
-        {
-            if panicking {
-                let log = p.log_text();
-                let tail: Vec<&str> = log.lines().rev().take(12).collect();
-                eprintln!("--- last lines of {} ---", p.name);
-                for l in tail.iter().rev() {
-                    eprintln!("{}", l.chars().take(400).collect::<String>());
-                }
-            }
-            // A SIGSTOPped process must be continued to die cleanly.
-            if p.child.is_some() {
-                p.signal("CONT");
-            }
-            p.kill9();
-        }
-    }
+    /// Last: removed after every process above was killed (coordinators,
+    /// nodes, then etcd).
+    dir: tempfile::TempDir,
 }
 
 /// `etcdctl` (API v3) with exactly `args`.
@@ -314,15 +224,6 @@ fn put(procs: &mut Vec<Proc>, i: usize, proc: Proc) {
     }
 }
 
-type Coord = CoordinatorClient<InterceptedService<Channel, AttachToken>>;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
 async fn coord(port: u16) -> Option<Coord> {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
         .ok()?
@@ -353,11 +254,8 @@ impl World {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
         // The self-describing file, generation 0.
-        let mut data = vec![0u8; FILE as usize];
-        for (p, chunk) in data.chunks_exact_mut(PAGE as usize).enumerate() {
-            fill(p as u64, chunk);
-        }
-        std::fs::write(dir.path().join("data.bin"), &data).expect("backing file");
+        pattern::generate_file(&dir.path().join("data.bin"), FILE, PAGE as usize)
+            .expect("backing file");
         let tls = tls.then(|| EtcdTls::generate(dir.path()));
         let mut w = World {
             etcd_client: (0..3).map(|_| free_port()).collect(),
@@ -423,11 +321,6 @@ impl World {
             .collect::<Vec<_>>()
             .join(",");
         let log = self.path(&format!("etcd-{i}.log"));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
         let (c, p) = (self.etcd_client[i], self.etcd_peer[i]);
         let scheme = self.client_scheme();
         let mut cmd = Command::new("etcd");
@@ -440,8 +333,7 @@ impl World {
                 .arg("--key-file")
                 .arg(&t.server_key);
         }
-        let child = cmd
-            .arg("--name")
+        cmd.arg("--name")
             .arg(format!("e{i}"))
             .arg("--data-dir")
             .arg(self.path(&format!("etcd-{i}")))
@@ -453,16 +345,8 @@ impl World {
             ))
             .arg(format!("--initial-cluster={cluster}"))
             .args(["--initial-cluster-state", "new"])
-            .args(["--initial-cluster-token", "pagewire-test"])
-            .stdout(out.try_clone().expect("log"))
-            .stderr(out)
-            .spawn()
-            .expect("spawn etcd");
-        let proc = Proc {
-            name: format!("etcd-{i}"),
-            child: Some(child),
-            log,
-        };
+            .args(["--initial-cluster-token", "pagewire-test"]);
+        let proc = Proc::start_all_output(format!("etcd-{i}"), &mut cmd, log);
         put(&mut self.etcd, i, proc);
     }
 
@@ -498,37 +382,20 @@ impl World {
 
     /// Starts coordinator `i` with the config file `config`.
     fn start_coordinator_with(&mut self, i: usize, endpoints: &str, config: &Path) {
-        let log = self.path(&format!("coordinator-{i}.log"));
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
-        let child = Command::new(coordinator_bin())
-            .arg("--config")
+        let mut cmd = coordinator_command(
+            &common::daemons().coordinator,
+            &format!("127.0.0.1:{}", self.coord_ports[i]),
+            &self.path("token"),
+            NODE_LEASE_MS,
+            EXTENT,
+        );
+        cmd.arg("--config")
             .arg(config)
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{}", self.coord_ports[i]))
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .arg("--token-file")
-            .arg(self.path("token"))
             .arg("--store")
             .arg(format!("etcd://{endpoints}"))
-            .arg("--lease-ms")
-            .arg(NODE_LEASE_MS.to_string())
-            .arg("--extent-size")
-            .arg(EXTENT.to_string())
-            .args(["--log", "info"])
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn coordinator");
-        let proc = Proc {
-            name: format!("coordinator-{i}"),
-            child: Some(child),
-            log,
-        };
+            .args(["--log", "info"]);
+        let log = self.path(&format!("coordinator-{i}.log"));
+        let proc = Proc::start(format!("coordinator-{i}"), &mut cmd, log);
         put(&mut self.coords, i, proc);
     }
 
@@ -548,40 +415,21 @@ impl World {
     }
 
     fn start_node(&mut self, id: &str) {
+        let mut cmd = node_command(
+            &common::daemons().node,
+            id,
+            &self.path("data.bin"),
+            &self.coordinator_list(),
+            &self.path("token"),
+            2048,
+            &self.path(""),
+        );
         let log = self.path(&format!("{id}.log"));
-        let child = Command::new(node_bin())
-            .args(["--node-id", id])
-            .arg("--backing-file")
-            .arg(self.path("data.bin"))
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .arg("--coordinator")
-            .arg(self.coordinator_list())
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .args(["--frames", "2048"])
-            .arg("--shm-dir")
-            .arg(self.path(""))
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("spawn node");
-        self.nodes.push(Proc {
-            name: id.into(),
-            child: Some(child),
-            log,
-        });
+        self.nodes.push(Proc::start(id, &mut cmd, log));
     }
 
     fn wait_for(&self, what: &str, limit: Duration, mut ok: impl FnMut(&Self) -> bool) -> Duration {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if ok(self) {
-                return start.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("timed out after {limit:?} waiting for {what}");
+        pagewire_testkit::wait_for(what, limit, || ok(self))
     }
 
     /// Status from coordinator `i`, if it answers.
@@ -821,7 +669,7 @@ impl Reader {
                     };
                     match read.await {
                         Some(r) => {
-                            fill(page, &mut want);
+                            pattern::fill(page, 0, &mut want);
                             if r.into_inner().data == want {
                                 o.fetch_add(1, Ordering::Relaxed);
                             } else {
@@ -962,7 +810,7 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
     );
     let exited = Instant::now();
     let status = loop {
-        let child = w.coords[old].child.as_mut().expect("running");
+        let child = &mut w.coords[old].child;
         if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
@@ -973,7 +821,6 @@ fn killing_the_leader_fails_over_and_the_map_goes_on() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "SIGTERM exit: {status:?}");
-    w.coords[old].child = None;
     eprintln!(
         "SIGTERM of the leader: another led after {:.2} s",
         handover.as_secs_f64()
@@ -1498,13 +1345,7 @@ fn etcd_over_tls_needs_the_ca_and_a_client_certificate() {
     let identity = t.config(None, Some((&t.client_cert, &t.client_key)));
     std::fs::write(&no_ca, w.config(&identity)).expect("config");
     w.start_coordinator_with(0, &endpoints, &no_ca);
-    let exit = w.coords[0]
-        .child
-        .as_mut()
-        .expect("running")
-        .wait()
-        .expect("wait");
-    w.coords[0].child = None;
+    let exit = w.coords[0].child.wait().expect("wait");
     let log = w.coords[0].log_text();
     assert!(
         !exit.success() && log.contains("etcd.ca_file"),

@@ -1,15 +1,13 @@
 //! End-to-end tests with real processes on loopback: the coordinator, three
 //! or four `pagewire-node` daemons over a sparse backing file, and `pwctl`.
-//!
-//! `pagewire-node` is another package's binary: `cargo test --workspace`
-//! (and nextest) builds it; with `-p pagewire-coordinator` alone, build it
-//! first with `cargo build -p pagewire-node`.
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::ops::{Deref, DerefMut};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::pwctl_bin;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::coordinator_client::CoordinatorClient;
 use pagewire_proto::v1::node_client::NodeClient;
@@ -17,9 +15,9 @@ use pagewire_proto::v1::{
     ClusterRangeRequest, FaultInRequest, GetMapRequest, NodeRangeRequest, OwnershipMap, PageRun,
     ReadRequest, RegisterRequest, StatsRequest, StatusRequest, WriteRequest,
 };
+use pagewire_testkit::process::Proc;
+use pagewire_testkit::{free_port, rt};
 use serde_json::Value;
-
-use pagewire_testkit::signal;
 
 const TOKEN: &str = "test-cluster-token";
 /// Lease for the tests that do not time failure detection: long enough that
@@ -30,75 +28,19 @@ const EXTENT: u64 = 64 << 10;
 /// 4096 extents of 64 KiB.
 const FILE: u64 = 256 << 20;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
-}
+/// The kit's loopback cluster, read through `pwctl` as well.
+struct Cluster(pagewire_testkit::cluster::Cluster);
 
-fn coordinator_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-coordinator"))
-}
-
-fn pwctl_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pwctl"))
-}
-
-fn node_bin() -> PathBuf {
-    let p = coordinator_bin()
-        .parent()
-        .expect("binary dir")
-        .join("pagewire-node");
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build -p pagewire-node` (cargo test --workspace builds it)",
-        p.display()
-    );
-    p
-}
-
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    /// Sends `signal` (a `kill -SIGNAL` name such as STOP or CONT).
-    /// With STOP, returns once every thread of the process is stopped.
-    fn signal(&self, signal: &str) {
-        signal::signal(self.child.id(), &self.name, signal);
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
+impl Deref for Cluster {
+    type Target = pagewire_testkit::cluster::Cluster;
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
 }
 
-struct Cluster {
-    dir: tempfile::TempDir,
-    lease_ms: u64,
-    port: u16,
-    coord: Option<Proc>,
-    nodes: Vec<Proc>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let panicking = std::thread::panicking();
-        for p in self.coord.iter_mut().chain(self.nodes.iter_mut()) {
-            p.kill9();
-            if panicking {
-                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(15).collect();
-                eprintln!("--- last lines of {} ---", p.name);
-                for l in tail.iter().rev() {
-                    eprintln!("{l}");
-                }
-            }
-        }
+impl DerefMut for Cluster {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
     }
 }
 
@@ -117,104 +59,19 @@ impl Cluster {
         http_get(&addr, "/metrics")
     }
 
+    /// Over a sparse backing file; the coordinator started.
     fn new(lease_ms: u64) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
-        let f = std::fs::File::create(dir.path().join("data.bin")).expect("backing file");
-        f.set_len(FILE).expect("sparse file");
-        let mut c = Cluster {
-            dir,
+        let mut c = pagewire_testkit::cluster::Cluster::new(
+            common::daemons(),
+            TOKEN,
             lease_ms,
-            port: free_port(),
-            coord: None,
-            nodes: Vec::new(),
-        };
+            EXTENT,
+            "data.bin",
+        );
+        let f = std::fs::File::create(&c.backing).expect("backing file");
+        f.set_len(FILE).expect("sparse file");
         c.start_coordinator();
-        c
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn start_coordinator(&mut self) {
-        let log = self.path("coordinator.log");
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
-        let child = Command::new(coordinator_bin())
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{}", self.port))
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .arg("--state-file")
-            .arg(self.path("coordinator.state"))
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .arg("--lease-ms")
-            .arg(self.lease_ms.to_string())
-            .arg("--extent-size")
-            .arg(EXTENT.to_string())
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn coordinator");
-        self.coord = Some(Proc {
-            name: "coordinator".into(),
-            child,
-            log,
-        });
-        self.wait_for("the coordinator to answer", |c| {
-            c.try_pwctl(&["status"]).is_some()
-        });
-    }
-
-    fn start_node(&mut self, id: &str, frames: u64) {
-        self.start_node_as(id, id, frames);
-    }
-
-    /// Starts a node process called `name` here, with node id `id`.
-    fn start_node_as(&mut self, name: &str, id: &str, frames: u64) {
-        let log = self.path(&format!("{name}.log"));
-        // Its own shm directory when it shares another process's id.
-        let shm = if name == id {
-            self.path("")
-        } else {
-            let d = self.path(&format!("shm-{name}"));
-            std::fs::create_dir_all(&d).expect("shm dir");
-            d
-        };
-        let child = Command::new(node_bin())
-            .args(["--node-id", id])
-            .arg("--backing-file")
-            .arg(self.path("data.bin"))
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .arg("--coordinator")
-            .arg(format!("127.0.0.1:{}", self.port))
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .arg("--frames")
-            .arg(frames.to_string())
-            // The test's own directory: a node killed with -9 leaves its
-            // region file there, not in /dev/shm.
-            .arg("--shm-dir")
-            .arg(shm)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("spawn node");
-        self.nodes.push(Proc {
-            name: name.into(),
-            child,
-            log,
-        });
-    }
-
-    fn node(&mut self, id: &str) -> &mut Proc {
-        self.nodes.iter_mut().find(|p| p.name == id).expect("node")
+        Cluster(c)
     }
 
     fn pwctl(&self, args: &[&str]) -> Output {
@@ -245,15 +102,7 @@ impl Cluster {
     }
 
     fn wait_for(&self, what: &str, mut ok: impl FnMut(&Self) -> bool) -> Duration {
-        let start = Instant::now();
-        let limit = Duration::from_secs(30);
-        while start.elapsed() < limit {
-            if ok(self) {
-                return start.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("timed out after {limit:?} waiting for {what}");
+        pagewire_testkit::wait_for(what, pagewire_testkit::cluster::WAIT, || ok(self))
     }
 
     /// Waits until `n` nodes are alive, own extents, have applied the
@@ -313,13 +162,6 @@ impl Cluster {
                 .into_inner()
         })
     }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// Adds the token, or nothing (to test refusals).
@@ -820,9 +662,7 @@ fn nodes_serve_their_extents_write_through_and_refuse_stale_maps() {
 
 // ---- Ownership, leases and writes (ARCHITECTURE.md) -----------------------
 
-type NodeRpc = NodeClient<
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
->;
+use pagewire_testkit::grpc::NodeRpc;
 
 async fn node_client(map: &OwnershipMap, index: u32) -> NodeRpc {
     let addr = map

@@ -4,9 +4,8 @@
 //! READs alone, sees a write acknowledged over gRPC through a stale index
 //! cache entry, and gets a clear error (then recovers) when the node
 //! restarts under it or is given a bad descriptor.
-//!
-//! Needs the coordinator binary beside `pagewire-node` (`cargo test
-//! --workspace` builds both).
+
+mod common;
 
 use pagewire_client::remote::{Outcome, ReaderConfig, RemoteError, RemoteReader};
 use pagewire_node::pattern;
@@ -18,87 +17,38 @@ use pagewire_proto::v1::{
 use pagewire_rdma::shm::{ShmConfig, ShmConnection};
 use pagewire_rdma::tcp::{ConnectionConfig, TcpConnection};
 use pagewire_rdma::{Connection, RegionDescriptor};
+use pagewire_testkit::cluster::coordinator_command;
+use pagewire_testkit::free_port;
+use pagewire_testkit::grpc::NodeRpc;
+use pagewire_testkit::process::Proc;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "daemon-remote-token";
 const PS: usize = 4096;
 const PAGES: u64 = 2048;
 
-fn node_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-node"))
+fn start_node(dir: &Path, port: u16, grpc: u16) -> Proc {
+    let mut cmd = Command::new(common::daemons().node);
+    cmd.args(["--node-id", "n1", "--listen"])
+        .arg(format!("127.0.0.1:{grpc}"))
+        .args(["--metrics-listen", ""])
+        .arg("--backing-file")
+        .arg(dir.join("data"))
+        .arg("--coordinator")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--token-file")
+        .arg(dir.join("token"))
+        .args(["--frames", "1024", "--shm-dir"])
+        .arg(dir);
+    Proc::start("node", &mut cmd, dir.join("node.log"))
 }
 
-fn coordinator_bin() -> PathBuf {
-    let p = node_bin()
-        .parent()
-        .expect("binary dir")
-        .join("pagewire-coordinator");
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build -p pagewire-coordinator` (cargo test --workspace builds it)",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
-
-struct Kill(Child);
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_node(dir: &Path, port: u16, grpc: u16) -> Kill {
-    Kill(
-        Command::new(node_bin())
-            .args(["--node-id", "n1", "--listen"])
-            .arg(format!("127.0.0.1:{grpc}"))
-            .args(["--metrics-listen", ""])
-            .arg("--backing-file")
-            .arg(dir.join("data"))
-            .arg("--coordinator")
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--token-file")
-            .arg(dir.join("token"))
-            .args(["--frames", "1024", "--shm-dir"])
-            .arg(dir)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(
-                std::fs::File::create(dir.join(format!("node-{}.log", fastrand_u64()))).unwrap(),
-            )
-            .spawn()
-            .expect("spawn node"),
-    )
-}
-
-fn fastrand_u64() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-type Client = NodeClient<
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
->;
-
-async fn client(grpc: u16) -> Client {
-    let ch =
-        pagewire_proto::net::connect(&format!("127.0.0.1:{grpc}"), None, Duration::from_secs(5))
-            .await
-            .expect("connect node");
-    NodeClient::with_interceptor(ch, AttachToken::new(TOKEN).unwrap())
+async fn client(grpc: u16) -> NodeRpc {
+    pagewire_testkit::grpc::node(&format!("127.0.0.1:{grpc}"), TOKEN, Duration::from_secs(5))
+        .await
+        .expect("connect node")
 }
 
 /// Reads `first..first+count` over gRPC until the node serves them (it
@@ -197,21 +147,15 @@ fn a_node_serves_its_region_one_sidedly_over_shm_and_tcp() {
     std::fs::write(d.join("token"), TOKEN).unwrap();
     pattern::generate_file(&d.join("data"), PAGES * PS as u64, PS).unwrap();
     let port = free_port();
-    let _coord = Kill(
-        Command::new(coordinator_bin())
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
-            .args(["--metrics-listen", "127.0.0.1:0", "--state-file"])
-            .arg(d.join("state"))
-            .arg("--token-file")
-            .arg(d.join("token"))
-            .args(["--lease-ms", "3000", "--extent-size", "65536"])
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn coordinator"),
+    let mut coord = coordinator_command(
+        &common::daemons().coordinator,
+        &format!("127.0.0.1:{port}"),
+        &d.join("token"),
+        3000,
+        65536,
     );
+    coord.arg("--state-file").arg(d.join("state"));
+    let _coord = Proc::start("coordinator", &mut coord, d.join("coordinator.log"));
     let grpc = free_port();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut node = start_node(d, port, grpc);

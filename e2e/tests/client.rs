@@ -6,10 +6,10 @@
 //! verified, and no read may be older than a write acknowledged before it
 //! started.
 //!
-//! Needs the coordinator binary beside `pagewire-node` (`cargo build
-//! --release -p pagewire-coordinator`; `cargo test --workspace` builds it).
 //! The tests run one at a time (they time leases, and share two cores in
 //! CI).
+
+mod common;
 
 use pagewire_client::cluster::{
     ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadPath,
@@ -17,17 +17,15 @@ use pagewire_client::cluster::{
 };
 use pagewire_node::pattern;
 use pagewire_proto::auth::AttachToken;
-use pagewire_proto::v1::coordinator_client::CoordinatorClient;
-use pagewire_proto::v1::{GetMapRequest, ListNodesRequest, NodeInfo, NodeState, OwnershipMap};
+use pagewire_proto::v1::{NodeState, OwnershipMap};
+use pagewire_testkit::cluster::Cluster;
+use pagewire_testkit::process::Proc;
+use pagewire_testkit::rt;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-use pagewire_testkit::signal;
 
 const TOKEN: &str = "client-test-token";
 const PS: usize = 4096;
@@ -44,42 +42,16 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn node_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-node"))
+trait WaitExit {
+    fn wait_exit(
+        &mut self,
+        since: Instant,
+        limit: Duration,
+        what: &str,
+    ) -> std::process::ExitStatus;
 }
 
-fn coordinator_bin() -> PathBuf {
-    let p = node_bin()
-        .parent()
-        .expect("binary dir")
-        .join("pagewire-coordinator");
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build --release -p pagewire-coordinator` (cargo test --workspace builds it)",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    /// With STOP, returns once every thread of the process is stopped.
-    fn signal(&self, signal: &str) {
-        signal::signal(self.child.id(), &self.name, signal);
-    }
-
+impl WaitExit for Proc {
     /// Waits until the process exits, at most `limit` after `since` (when
     /// `what` happened to it); its exit status.
     fn wait_exit(
@@ -100,263 +72,53 @@ impl Proc {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
-struct Cluster {
-    dir: tempfile::TempDir,
-    port: u16,
-    lease_ms: u64,
-    coord: Option<Proc>,
-    nodes: Vec<Proc>,
-    /// Every gRPC server (coordinator, nodes) serves TLS with a certificate
-    /// for `localhost` signed by `dir/ca.pem` (`Cluster::new_tls`).
-    tls: bool,
+/// The test's cluster, over a `pattern` file; the coordinator started.
+fn cluster(lease_ms: u64) -> Cluster {
+    let mut c = Cluster::new(common::daemons(), TOKEN, lease_ms, EXTENT, "data");
+    pattern::generate_file(&c.backing, FILE_LEN, PS).expect("data file");
+    c.start_coordinator();
+    c
 }
 
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let panicking = std::thread::panicking();
-        for p in self.coord.iter_mut().chain(self.nodes.iter_mut()) {
-            p.kill9();
-            if panicking {
-                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(12).collect();
-                eprintln!("--- last lines of {} ---", p.name);
-                for l in tail.iter().rev() {
-                    eprintln!("{l}");
-                }
-            }
-        }
-    }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-impl Cluster {
-    fn new(lease_ms: u64) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
-        pattern::generate_file(&dir.path().join("data"), FILE_LEN, PS).expect("data file");
-        let mut c = Cluster {
-            dir,
-            port: free_port(),
-            lease_ms,
-            coord: None,
-            nodes: Vec::new(),
-            tls: false,
-        };
-        c.start_coordinator();
-        c
-    }
-
-    /// A cluster whose coordinator and nodes serve gRPC over TLS only:
-    /// a CA (`ca.pem`) and one certificate for `localhost` it signed,
-    /// with config files that turn TLS on both ways.
-    fn new_tls(lease_ms: u64) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let p = |n: &str| dir.path().join(n);
-        std::fs::write(p("token"), TOKEN).expect("token file");
-        pattern::generate_file(&p("data"), FILE_LEN, PS).expect("data file");
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca");
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        let ca_key = rcgen::KeyPair::generate().expect("ca key");
-        let ca = ca_params.self_signed(&ca_key).expect("ca cert");
-        let key = rcgen::KeyPair::generate().expect("key");
-        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
-            .expect("params")
-            .signed_by(&key, &ca, &ca_key)
-            .expect("cert");
-        std::fs::write(p("ca.pem"), ca.pem()).expect("ca.pem");
-        std::fs::write(p("server.pem"), cert.pem()).expect("server.pem");
-        std::fs::write(p("server.key"), key.serialize_pem()).expect("server.key");
-        let files = |ca_key: &str, domain_key: &str| {
-            format!(
-                "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{ca_key} = {:?}\n{domain_key} = \"localhost\"\n",
-                p("server.pem"),
-                p("server.key"),
-                p("ca.pem"),
-            )
-        };
-        std::fs::write(p("coordinator.toml"), files("node_ca_file", "node_domain"))
-            .expect("coordinator.toml");
-        std::fs::write(
-            p("node.toml"),
-            files("coordinator_ca_file", "coordinator_domain"),
+/// A cluster whose coordinator and nodes serve gRPC over TLS only:
+/// a CA (`ca.pem`) and one certificate for `localhost` it signed,
+/// with config files that turn TLS on both ways.
+fn cluster_tls(lease_ms: u64) -> Cluster {
+    let mut c = Cluster::new(common::daemons(), TOKEN, lease_ms, EXTENT, "data");
+    pattern::generate_file(&c.backing, FILE_LEN, PS).expect("data file");
+    let p = |n: &str| c.path(n);
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate().expect("ca key");
+    let ca = ca_params.self_signed(&ca_key).expect("ca cert");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .expect("params")
+        .signed_by(&key, &ca, &ca_key)
+        .expect("cert");
+    std::fs::write(p("ca.pem"), ca.pem()).expect("ca.pem");
+    std::fs::write(p("server.pem"), cert.pem()).expect("server.pem");
+    std::fs::write(p("server.key"), key.serialize_pem()).expect("server.key");
+    let files = |ca_key: &str, domain_key: &str| {
+        format!(
+            "[tls]\ncert_file = {:?}\nkey_file = {:?}\n{ca_key} = {:?}\n{domain_key} = \"localhost\"\n",
+            p("server.pem"),
+            p("server.key"),
+            p("ca.pem"),
         )
-        .expect("node.toml");
-        let mut c = Cluster {
-            dir,
-            port: free_port(),
-            lease_ms,
-            coord: None,
-            nodes: Vec::new(),
-            tls: true,
-        };
-        c.start_coordinator();
-        c
-    }
-
-    /// How clients check the servers' certificates (None: plain text).
-    fn client_tls(&self) -> Option<pagewire_proto::net::ClientTls> {
-        self.tls.then(|| pagewire_proto::net::ClientTls {
-            ca_file: self.path("ca.pem"),
-            domain: "localhost".into(),
-        })
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn coord_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn start_coordinator(&mut self) {
-        let log = self.path("coordinator.log");
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log");
-        let mut cmd = Command::new(coordinator_bin());
-        if self.tls {
-            cmd.arg("--config").arg(self.path("coordinator.toml"));
-        }
-        let child = cmd
-            .arg("--listen")
-            .arg(self.coord_addr())
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .arg("--state-file")
-            .arg(self.path("coordinator.state"))
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .arg("--lease-ms")
-            .arg(self.lease_ms.to_string())
-            .arg("--extent-size")
-            .arg(EXTENT.to_string())
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("spawn coordinator");
-        self.coord = Some(Proc {
-            name: "coordinator".into(),
-            child,
-            log,
-        });
-        self.wait_for("the coordinator to answer", |c| c.map().is_some());
-    }
-
-    fn start_node(&mut self, id: &str, frames: u64) {
-        let log = self.path(&format!("{id}.log"));
-        let mut cmd = Command::new(node_bin());
-        if self.tls {
-            cmd.arg("--config").arg(self.path("node.toml"));
-        }
-        let child = cmd
-            .args(["--node-id", id])
-            .arg("--backing-file")
-            .arg(self.path("data"))
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .arg("--coordinator")
-            .arg(self.coord_addr())
-            .arg("--token-file")
-            .arg(self.path("token"))
-            .arg("--frames")
-            .arg(frames.to_string())
-            .arg("--shm-dir")
-            .arg(self.path(""))
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("spawn node");
-        self.nodes.push(Proc {
-            name: id.into(),
-            child,
-            log,
-        });
-    }
-
-    fn node(&mut self, id: &str) -> &mut Proc {
-        self.nodes.iter_mut().find(|p| p.name == id).expect("node")
-    }
-
-    /// Runs `call` on a fresh connection to the coordinator (None: it failed).
-    fn coord_call<T, Fut>(&self, call: impl FnOnce(Coord) -> Fut) -> Option<T>
-    where
-        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        let addr = self.coord_addr();
-        let tls = self.client_tls();
-        rt().block_on(async move {
-            let ch = pagewire_proto::net::connect(&addr, tls.as_ref(), Duration::from_secs(2))
-                .await
-                .ok()?;
-            let c =
-                CoordinatorClient::with_interceptor(ch, AttachToken::new(TOKEN).expect("token"));
-            let r = tokio::time::timeout(Duration::from_secs(5), call(c))
-                .await
-                .ok()?;
-            r.ok().map(tonic::Response::into_inner)
-        })
-    }
-
-    fn map(&self) -> Option<OwnershipMap> {
-        self.coord_call(|mut c| async move { c.get_map(GetMapRequest::default()).await })
-    }
-
-    fn nodes(&self) -> Option<Vec<NodeInfo>> {
-        self.coord_call(|mut c| async move { c.list_nodes(ListNodesRequest {}).await })
-            .map(|r| r.nodes)
-    }
-
-    fn wait_for(&self, what: &str, mut ok: impl FnMut(&Self) -> bool) -> Duration {
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(30) {
-            if ok(self) {
-                return start.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("timed out after 30 s waiting for {what}");
-    }
-
-    /// Waits until `n` nodes are alive and applied the current epoch, every
-    /// extent has an owner and no handoff is in progress.
-    fn wait_stable(&self, n: usize) -> OwnershipMap {
-        let mut out = None;
-        self.wait_for(&format!("{n} settled nodes"), |c| {
-            let (Some(map), Some(nodes)) = (c.map(), c.nodes()) else {
-                return false;
-            };
-            let alive: Vec<&NodeInfo> = nodes
-                .iter()
-                .filter(|x| x.state == NodeState::Alive as i32)
-                .collect();
-            let ok = map.epoch != 0
-                && alive.len() == n
-                && map.owner.iter().all(|&o| o != 0)
-                && map.previous_owner.iter().all(|&p| p == 0)
-                && alive.iter().all(|x| x.applied_epoch == map.epoch);
-            if ok {
-                out = Some(map);
-            }
-            ok
-        });
-        out.expect("map")
-    }
+    };
+    std::fs::write(p("coordinator.toml"), files("node_ca_file", "node_domain"))
+        .expect("coordinator.toml");
+    std::fs::write(
+        p("node.toml"),
+        files("coordinator_ca_file", "coordinator_domain"),
+    )
+    .expect("node.toml");
+    c.tls = true;
+    c.start_coordinator();
+    c
 }
 
 /// `GET path` on a plain-HTTP address: the status code (None: no answer).
@@ -369,10 +131,6 @@ fn http_status(addr: &str, path: &str) -> Option<u16> {
     s.read_to_string(&mut out).ok()?;
     out.split(' ').nth(1)?.parse().ok()
 }
-
-type Coord = CoordinatorClient<
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
->;
 
 fn index_of(map: &OwnershipMap, id: &str) -> u32 {
     map.nodes
@@ -411,7 +169,7 @@ fn config(path: ReadPath, transport: TransportChoice) -> ClientConfig {
 fn every_path_reads_every_page_right_while_nodes_evict() {
     let _serial = serial();
     let t0 = Instant::now();
-    let mut c = Cluster::new(3000);
+    let mut c = cluster(3000);
     for id in ["a1", "a2", "a3"] {
         c.start_node(id, 1024); // each owns about 1365 pages
     }
@@ -561,7 +319,7 @@ fn tcp_conns_to(port: u16) -> usize {
 fn one_client_shared_by_threads_reads_runs_and_shares_reads_of_a_page() {
     let _serial = serial();
     let t0 = Instant::now();
-    let mut c = Cluster::new(3000);
+    let mut c = cluster(3000);
     for id in ["s1", "s2", "s3"] {
         c.start_node(id, 1024);
     }
@@ -749,7 +507,7 @@ fn one_client_shared_by_threads_reads_runs_and_shares_reads_of_a_page() {
 #[test]
 fn over_tls_the_client_reads_and_writes_and_plain_text_is_refused() {
     let _serial = serial();
-    let mut c = Cluster::new_tls(3000);
+    let mut c = cluster_tls(3000);
     for id in ["t1", "t2"] {
         c.start_node(id, 2048);
     }
@@ -876,7 +634,7 @@ fn reads_go_on_after_an_owner_is_killed() {
     let _serial = serial();
     let t0 = Instant::now();
     let lease_ms = 1500;
-    let mut c = Cluster::new(lease_ms);
+    let mut c = cluster(lease_ms);
     for id in ["b1", "b2", "b3"] {
         c.start_node(id, 1024);
     }
@@ -974,14 +732,14 @@ fn a_sigterm_drains_the_node_with_no_failed_read_and_a_second_one_exits_at_once(
     let _serial = serial();
     let t0 = Instant::now();
     let lease_ms = 1500;
-    let mut c = Cluster::new(lease_ms);
+    let mut c = cluster(lease_ms);
     for id in ["d1", "d2", "d3"] {
         c.start_node(id, 1024);
     }
     let before = c.wait_stable(3);
     let victim = index_of(&before, "d2");
     let metrics_of = |c: &Cluster, id: &str| {
-        c.nodes()
+        c.nodes_info()
             .and_then(|ns| ns.into_iter().find(|n| n.node_id == id))
             .map(|n| n.metrics_address)
             .expect("node listed")
@@ -1041,7 +799,7 @@ fn a_sigterm_drains_the_node_with_no_failed_read_and_a_second_one_exits_at_once(
         "d2 still named in the map after it left"
     );
     let left = c
-        .nodes()
+        .nodes_info()
         .expect("nodes")
         .into_iter()
         .find(|n| n.node_id == "d2")
@@ -1119,7 +877,7 @@ fn no_read_is_older_than_an_acknowledged_write_through_a_frozen_owner() {
     let _serial = serial();
     let t0 = Instant::now();
     let lease_ms = 1500;
-    let mut c = Cluster::new(lease_ms);
+    let mut c = cluster(lease_ms);
     for id in ["c1", "c2", "c3"] {
         c.start_node(id, 2048);
     }
@@ -1403,7 +1161,7 @@ fn without_the_coordinator_reads_fail_after_their_deadline_then_recover() {
     let _serial = serial();
     let t0 = Instant::now();
     let lease_ms = 1500;
-    let mut c = Cluster::new(lease_ms);
+    let mut c = cluster(lease_ms);
     for id in ["d1", "d2"] {
         c.start_node(id, 2048);
     }
