@@ -55,6 +55,7 @@
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod cli;
 pub mod deadline;
 pub mod fs;
 pub mod mountpoint;

@@ -2,9 +2,9 @@
 //! use (stat, ls, cat, dd, pread, Python's mmap), in the default direct-I/O
 //! mode and with `--cached`; every byte is compared with the backing file.
 
-mod common;
+mod mount_common;
 
-use common::*;
+use mount_common::*;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::time::{Duration, Instant};
 

@@ -3,10 +3,9 @@
 //! `pagewire-mount` processes on a directory of it, and commands run with a
 //! bound on their time.
 //!
-//! The cluster is the test kit's (`pagewire_testkit::cluster`). Needs the
-//! daemons built beside `pagewire-mount` (`cargo build -p pagewire-node -p
-//! pagewire-coordinator` in the same target directory; `cargo test
-//! --workspace` builds them), /dev/fuse, fusermount3 (Debian `fuse3`), and
+//! The cluster is the test kit's (`pagewire_testkit::cluster`). The mount
+//! and the daemons are this package's own binaries (cargo builds them
+//! before the tests). Needs /dev/fuse, fusermount3 (Debian `fuse3`), and
 //! per test fio and python3: [`preflight`] fails the test with the name of
 //! what is missing.
 
@@ -19,7 +18,6 @@ use std::process::{Command, ExitStatus, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use pagewire_testkit::bins;
 use pagewire_testkit::cluster::Daemons;
 use pagewire_testkit::process::Proc;
 
@@ -67,14 +65,13 @@ pub fn preflight(tools: &[&str]) {
 }
 
 pub fn mount_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-mount"))
+    PathBuf::from(env!("CARGO_BIN_EXE_e2e-pagewire-mount"))
 }
 
 fn daemons() -> Daemons {
-    let build = "cargo build -p pagewire-node -p pagewire-coordinator";
     Daemons {
-        coordinator: bins::beside("pagewire-coordinator", build),
-        node: bins::beside("pagewire-node", build),
+        coordinator: env!("CARGO_BIN_EXE_e2e-pagewire-coordinator").into(),
+        node: env!("CARGO_BIN_EXE_e2e-pagewire-node").into(),
     }
 }
 

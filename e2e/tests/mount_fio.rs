@@ -7,9 +7,9 @@
 //! restarted. A first test proves that the fio invocation does catch one
 //! wrong byte.
 
-mod common;
+mod mount_common;
 
-use common::*;
+use mount_common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -2,9 +2,9 @@
 //! hang) and the mount still unmounts on SIGTERM; a mount point left by a
 //! crash (kill -9) is cleaned at the next start.
 
-mod common;
+mod mount_common;
 
-use common::*;
+use mount_common::*;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};

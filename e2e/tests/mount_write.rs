@@ -3,9 +3,9 @@
 //! through a `ClusterClient` and from the backing file; the size is fixed;
 //! partial writers of one page through one mount lose no bytes.
 
-mod common;
+mod mount_common;
 
-use common::*;
+use mount_common::*;
 use pagewire_client::{ClientConfig, ClusterClient, MapFollower};
 use pagewire_node::pattern;
 use std::os::unix::fs::{FileExt, PermissionsExt};
