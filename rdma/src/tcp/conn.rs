@@ -1,0 +1,456 @@
+//! The reader's side of `tcp`: a [`TcpConnection`] keeps one slot per
+//! request in flight (the wire request id is the slot's index and
+//! generation, so a late answer to a timed-out READ is recognised and
+//! skipped), writes a batch of requests with one `send`, and parses answers
+//! out of one receive buffer into the callers' buffers.
+
+use std::io::{self, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use crate::spin::AdaptiveSpin;
+use crate::{
+    AccessFault, Completion, ConnectError, Connection, Limits, PostError, ReadError, ReadRequest,
+    handshake, spin,
+};
+
+use super::wire::{
+    MAGIC, REQUEST_LEN, RESPONSE_HEADER_LEN, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH,
+    ST_UNKNOWN_KEY, push_read,
+};
+use super::{DEFAULT_SPIN, HANDSHAKE_TIMEOUT};
+
+/// Granularity of a blocking `wait`.
+const WAIT_QUANTUM: Duration = Duration::from_millis(10);
+
+/// Settings of a [`TcpConnection`].
+#[derive(Debug, Clone)]
+pub struct ConnectionConfig {
+    /// Cluster token to prove.
+    pub token: Vec<u8>,
+    /// A READ not answered within this long completes with
+    /// [`ReadError::Timeout`] (a late answer is dropped).
+    pub op_timeout: Duration,
+    /// Requests in flight, at most.
+    pub max_outstanding: usize,
+    /// Bytes of one READ, at most (the responder may allow less).
+    pub max_read_len: usize,
+    /// How long [`Connection::wait`] polls the socket without blocking
+    /// before it blocks; zero blocks at once. At most
+    /// `available_parallelism() - 1` connections of the process spin at once.
+    pub spin: Duration,
+    /// How long the TCP connect, and then each step of the handshake, may
+    /// take. A responder whose process is frozen (SIGSTOP) still completes
+    /// the TCP handshake in its kernel but never answers the hello: a
+    /// reader that must fail over quickly sets this short.
+    pub connect_timeout: Duration,
+}
+
+impl ConnectionConfig {
+    /// Defaults: 5 s operation timeout, 1024 outstanding, 16 MiB READs, spin
+    /// [`DEFAULT_SPIN`], 10 s to connect.
+    #[must_use]
+    pub fn new(token: impl Into<Vec<u8>>) -> Self {
+        Self {
+            token: token.into(),
+            connect_timeout: HANDSHAKE_TIMEOUT,
+            op_timeout: Duration::from_secs(5),
+            max_outstanding: 1024,
+            max_read_len: 16 << 20,
+            spin: DEFAULT_SPIN,
+        }
+    }
+}
+
+enum Slot {
+    Free,
+    Pending {
+        id: u64,
+        local: *mut u8,
+        len: usize,
+        deadline: Instant,
+    },
+    /// Timed out and completed; its late answer is still to be skipped.
+    Abandoned {
+        len: usize,
+    },
+}
+
+/// A reader's connection to a [`TcpResponder`](super::TcpResponder).
+pub struct TcpConnection {
+    stream: TcpStream,
+    config: ConnectionConfig,
+    slots: Vec<(u32, Slot)>,
+    free: Vec<u32>,
+    outstanding: usize,
+    rbuf: Vec<u8>,
+    rstart: usize,
+    rend: usize,
+    sbuf: Vec<u8>,
+    ready: Vec<Completion>,
+    lost: bool,
+    next_expiry: Option<Instant>,
+    spin: AdaptiveSpin,
+}
+
+// SAFETY: the raw pointers in `slots` are the local buffers of posted READs;
+// the `post_reads` contract hands them to this connection exclusively until
+// their completion, and they are only dereferenced through `&mut self`, so
+// moving the connection to another thread moves that exclusive use with it.
+unsafe impl Send for TcpConnection {}
+
+impl TcpConnection {
+    /// Connects to a responder and runs the handshake, each within
+    /// [`ConnectionConfig::connect_timeout`].
+    ///
+    /// # Errors
+    /// [`ConnectError::AuthFailed`] when the tokens differ; I/O and protocol
+    /// errors otherwise (`TimedOut` or `WouldBlock` when the responder did
+    /// not answer in time).
+    pub fn connect(
+        addr: impl ToSocketAddrs,
+        config: ConnectionConfig,
+    ) -> Result<Self, ConnectError> {
+        let limit = config.connect_timeout.max(Duration::from_millis(1));
+        let mut stream = handshake::connect_stream(addr, limit)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(limit))?;
+        stream.set_write_timeout(Some(limit))?;
+        handshake::client(&mut stream, MAGIC, &config.token)?;
+        stream.set_read_timeout(Some(WAIT_QUANTUM))?;
+        stream.set_write_timeout(Some(config.op_timeout))?;
+        let n = config.max_outstanding.clamp(1, u32::MAX as usize);
+        Ok(Self {
+            stream,
+            slots: (0..n).map(|_| (0, Slot::Free)).collect(),
+            free: (0..n as u32).rev().collect(),
+            outstanding: 0,
+            rbuf: vec![0u8; 256 << 10],
+            rstart: 0,
+            rend: 0,
+            sbuf: Vec::with_capacity(n.min(1024) * REQUEST_LEN),
+            ready: Vec::new(),
+            lost: false,
+            next_expiry: None,
+            spin: AdaptiveSpin::new(&spin::READER, config.spin),
+            config,
+        })
+    }
+
+    /// Marks the connection lost: every pending READ completes with
+    /// [`ReadError::ConnectionLost`].
+    fn lose(&mut self) {
+        if self.lost {
+            return;
+        }
+        self.lost = true;
+        let _ = self.stream.shutdown(Shutdown::Both);
+        for (i, (_, slot)) in self.slots.iter_mut().enumerate() {
+            match std::mem::replace(slot, Slot::Free) {
+                Slot::Pending { id, .. } => {
+                    self.ready.push(Completion {
+                        id,
+                        result: Err(ReadError::ConnectionLost),
+                    });
+                    self.free.push(i as u32);
+                }
+                Slot::Abandoned { .. } => self.free.push(i as u32),
+                Slot::Free => {}
+            }
+        }
+        self.outstanding = 0;
+        self.next_expiry = None;
+    }
+
+    /// Completes the READs whose operation timeout passed.
+    fn expire(&mut self, now: Instant) {
+        let mut next: Option<Instant> = None;
+        for (_, slot) in &mut self.slots {
+            if let Slot::Pending {
+                id, len, deadline, ..
+            } = *slot
+            {
+                if deadline <= now {
+                    *slot = Slot::Abandoned { len };
+                    self.outstanding -= 1;
+                    self.ready.push(Completion {
+                        id,
+                        result: Err(ReadError::Timeout),
+                    });
+                } else {
+                    next = Some(next.map_or(deadline, |n| n.min(deadline)));
+                }
+            }
+        }
+        self.next_expiry = next;
+    }
+
+    /// Moves ready completions and the complete responses in the receive
+    /// buffer to `out`.
+    fn drain(&mut self, out: &mut Vec<Completion>) -> usize {
+        let before = out.len();
+        out.append(&mut self.ready);
+        while self.rend - self.rstart >= RESPONSE_HEADER_LEN {
+            let h = &self.rbuf[self.rstart..self.rstart + RESPONSE_HEADER_LEN];
+            let status = h[0];
+            let len = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")) as usize;
+            let wire = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+            let idx = (wire & 0xffff_ffff) as usize;
+            let gen_ = (wire >> 32) as u32;
+            let slot_len = match self.slots.get(idx) {
+                Some((g, Slot::Pending { len, .. } | Slot::Abandoned { len })) if *g == gen_ => {
+                    *len
+                }
+                _ => {
+                    tracing::warn!(
+                        "tcp connection: answer for no outstanding request; dropping the connection"
+                    );
+                    self.lose();
+                    break;
+                }
+            };
+            let payload = if status == ST_OK { len } else { 0 };
+            if (status == ST_OK && len != slot_len) || (status != ST_OK && len != 0) {
+                tracing::warn!("tcp connection: malformed answer; dropping the connection");
+                self.lose();
+                break;
+            }
+            let total = RESPONSE_HEADER_LEN + payload;
+            if self.rend - self.rstart < total {
+                if self.rstart + total > self.rbuf.len() {
+                    self.rbuf.copy_within(self.rstart..self.rend, 0);
+                    self.rend -= self.rstart;
+                    self.rstart = 0;
+                    if total > self.rbuf.len() {
+                        self.rbuf.resize(total, 0);
+                    }
+                }
+                break;
+            }
+            let body = self.rstart + RESPONSE_HEADER_LEN;
+            let slot = std::mem::replace(&mut self.slots[idx].1, Slot::Free);
+            self.free.push(idx as u32);
+            if let Slot::Pending { id, local, len, .. } = slot {
+                self.outstanding -= 1;
+                let result = match status {
+                    ST_OK => {
+                        // SAFETY: `local..local + len` is the buffer of a
+                        // posted, not yet completed READ (the `post_reads`
+                        // contract keeps it valid and exclusively ours), and
+                        // `body..body + len` lies in the receive buffer.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(self.rbuf.as_ptr().add(body), local, len)
+                        };
+                        Ok(())
+                    }
+                    ST_UNKNOWN_KEY => Err(ReadError::RemoteAccess(AccessFault::UnknownKey)),
+                    ST_STALE_EPOCH => Err(ReadError::RemoteAccess(AccessFault::StaleEpoch)),
+                    ST_OUT_OF_BOUNDS => Err(ReadError::RemoteAccess(AccessFault::OutOfBounds)),
+                    _ => Err(ReadError::RemoteAccess(AccessFault::BadRequest)),
+                };
+                out.push(Completion { id, result });
+            }
+            self.rstart += total;
+        }
+        if self.rstart == self.rend {
+            self.rstart = 0;
+            self.rend = 0;
+        }
+        out.len() - before
+    }
+
+    /// One `recv` into the receive buffer. Returns false when it brought nothing.
+    fn fill(&mut self, dontwait: bool) -> bool {
+        if self.lost {
+            return false;
+        }
+        if self.rend == self.rbuf.len() {
+            self.rbuf.copy_within(self.rstart..self.rend, 0);
+            self.rend -= self.rstart;
+            self.rstart = 0;
+            if self.rend == self.rbuf.len() {
+                let n = self.rbuf.len() * 2;
+                self.rbuf.resize(n, 0);
+            }
+        }
+        let flags = if dontwait { libc::MSG_DONTWAIT } else { 0 };
+        let spare = &mut self.rbuf[self.rend..];
+        // SAFETY: `spare` is a writable slice of the receive buffer, valid
+        // for `spare.len()` bytes; the fd is our connected socket.
+        let n = unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                spare.as_mut_ptr().cast(),
+                spare.len(),
+                flags,
+            )
+        };
+        if n > 0 {
+            self.rend += n as usize;
+            true
+        } else if n == 0 {
+            self.lose();
+            false
+        } else {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::WouldBlock
+                | io::ErrorKind::Interrupted
+                | io::ErrorKind::TimedOut => {}
+                _ => {
+                    tracing::debug!(error = %e, "tcp connection: recv failed");
+                    self.lose();
+                }
+            }
+            false
+        }
+    }
+
+    fn check_expiry(&mut self) {
+        if let Some(e) = self.next_expiry {
+            let now = Instant::now();
+            if now >= e {
+                self.expire(now);
+            }
+        }
+    }
+}
+
+// SAFETY: every accepted READ sits in a slot until exactly one of: its answer
+// is parsed (`drain` copies into the buffer then frees the slot), its
+// operation timeout passes (`expire` marks it abandoned: the late answer is
+// skipped, never copied), or the connection is lost (`lose` completes it).
+// Buffers are written only inside `drain`, i.e. inside `poll`/`wait`, before
+// the completion is handed out.
+unsafe impl Connection for TcpConnection {
+    unsafe fn post_reads(&mut self, reads: &[ReadRequest]) -> Result<(), PostError> {
+        if self.lost {
+            return Err(PostError::ConnectionLost);
+        }
+        if reads.len() > self.free.len()
+            || self.outstanding + reads.len() > self.config.max_outstanding
+        {
+            return Err(PostError::QueueFull {
+                outstanding: self.outstanding,
+                requested: reads.len(),
+                limit: self.config.max_outstanding,
+            });
+        }
+        let limit = self.config.max_read_len.min(u32::MAX as usize);
+        if let Some(r) = reads.iter().find(|r| r.len == 0 || r.len > limit) {
+            return Err(PostError::InvalidLength { len: r.len, limit });
+        }
+        let deadline = Instant::now() + self.config.op_timeout;
+        self.sbuf.clear();
+        for r in reads {
+            let idx = self.free.pop().expect("checked above");
+            let (gen_, slot) = &mut self.slots[idx as usize];
+            *gen_ = gen_.wrapping_add(1);
+            *slot = Slot::Pending {
+                id: r.id,
+                local: r.local,
+                len: r.len,
+                deadline,
+            };
+            let wire = (u64::from(*gen_) << 32) | u64::from(idx);
+            push_read(
+                &mut self.sbuf,
+                r.len as u32,
+                wire,
+                r.remote_addr,
+                r.region.rkey,
+                r.region.epoch,
+            );
+        }
+        self.outstanding += reads.len();
+        if self.next_expiry.is_none() {
+            self.next_expiry = Some(deadline);
+        }
+        if let Err(e) = self.stream.write_all(&self.sbuf) {
+            tracing::debug!(error = %e, "tcp connection: send failed");
+            self.lose();
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        let n = self.drain(out);
+        if n > 0 || self.outstanding == 0 {
+            return n;
+        }
+        if self.fill(true) {
+            return self.drain(out);
+        }
+        self.check_expiry();
+        self.drain(out)
+    }
+
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> usize {
+        if timeout.is_zero() {
+            return self.poll(out);
+        }
+        let start = Instant::now();
+        // Spin first (non-blocking recvs) while the adaptive window and the
+        // process's reader budget allow, then block.
+        let mut episode: Option<spin::Episode> = None;
+        let mut spin_tried = false;
+        let mut blocked_since: Option<Instant> = None;
+        loop {
+            let mut n = self.drain(out);
+            let mut done = n > 0 || self.outstanding == 0;
+            if !done {
+                self.check_expiry();
+                if !self.ready.is_empty() {
+                    continue;
+                }
+            }
+            let now = Instant::now();
+            if !done && now.duration_since(start) >= timeout {
+                (n, done) = (0, true);
+            }
+            if done {
+                if let Some(ep) = episode.take() {
+                    self.spin.end(ep, n > 0);
+                }
+                if let Some(b) = blocked_since {
+                    self.spin.blocked(now.duration_since(b));
+                }
+                return n;
+            }
+            if !spin_tried {
+                spin_tried = true;
+                episode = self.spin.begin();
+            }
+            if let Some(ep) = &mut episode {
+                if now < ep.until.min(start + timeout) {
+                    if !self.fill(true) {
+                        ep.pause();
+                    }
+                    continue;
+                }
+                let ep = episode.take().expect("just matched");
+                self.spin.end(ep, false);
+            }
+            blocked_since.get_or_insert(now);
+            // Blocking recv: returns as soon as bytes arrive, or after the
+            // socket's WAIT_QUANTUM receive timeout.
+            self.fill(false);
+        }
+    }
+
+    fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_outstanding: self.config.max_outstanding,
+            max_read_len: self.config.max_read_len,
+        }
+    }
+
+    fn readiness_fd(&self) -> Option<RawFd> {
+        Some(self.stream.as_raw_fd())
+    }
+}
