@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};
-use pagewire_rdma::tcp::{ConnectionConfig, ResponderConfig, TcpConnection, TcpResponder};
+use pagewire_rdma::tcp::{ConnectionConfig, OwnerConfig, TcpConnection, TcpOwner};
 use pagewire_rdma::{Completion, Connection, LocalRegion, ReadRequest, RegionDescriptor};
 use serde::Serialize;
 
@@ -573,9 +573,9 @@ pub fn run(args: &TransportArgs) -> anyhow::Result<()> {
                 shm_owner = Some(owner);
             }
             "tcp" | "tcp_nospin" => {
-                let mut config = ResponderConfig::new(TOKEN);
+                let mut config = OwnerConfig::new(TOKEN);
                 config.spin = spin_of(t);
-                let resp = TcpResponder::bind((Ipv4Addr::LOCALHOST, 0), config)?;
+                let resp = TcpOwner::bind((Ipv4Addr::LOCALHOST, 0), config)?;
                 let r = resp.register(len)?;
                 r.write_bytes(0, &plain);
                 tcp_region = Some(r);

@@ -1,6 +1,6 @@
 //! The seed corpus, made by the real encoders: regions of real page caches,
 //! a recorded handshake, the requests a real `TcpConnection` sends and the
-//! answers a real `TcpResponder` gives, real compact maps and deltas, and
+//! answers a real `TcpOwner` gives, real compact maps and deltas, and
 //! the example config files. `tests/seeds.rs` writes them under
 //! `fuzz/corpus/<target>/` and checks that each target's decoder accepts
 //! them.
@@ -18,7 +18,7 @@ use pagewire_proto::v1::{
 };
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};
 use pagewire_rdma::tcp::{
-    ConnectionConfig, ResponderConfig, TcpConnection, TcpResponder, handshake_client,
+    ConnectionConfig, OwnerConfig, TcpConnection, TcpOwner, handshake_client,
     handshake_server,
 };
 use pagewire_rdma::{LocalRegion, RegionDescriptor, read_blocking};
@@ -235,21 +235,21 @@ pub fn relativize(bytes: &mut [u8], region: &RegionDescriptor, to_relative: bool
     }
 }
 
-/// The responder of the `tcp_requests` target: a real [`TcpResponder`]
+/// The responder of the `tcp_requests` target: a real [`TcpOwner`]
 /// with one 64 KiB region of [`pattern`] bytes.
 pub struct Responder {
-    pub responder: TcpResponder,
+    pub responder: TcpOwner,
     pub region: pagewire_rdma::tcp::TcpRegion,
     pub bytes: Vec<u8>,
 }
 
 impl Responder {
     pub fn start() -> Self {
-        let mut rc = ResponderConfig::new(TOKEN.to_vec());
+        let mut rc = OwnerConfig::new(TOKEN.to_vec());
         rc.epoch = Some(EPOCH);
         rc.max_read_len = 64 << 10;
         rc.spin = Duration::ZERO;
-        let responder = TcpResponder::bind("127.0.0.1:0", rc).expect("responder");
+        let responder = TcpOwner::bind("127.0.0.1:0", rc).expect("responder");
         let len = 64 << 10;
         let region = responder.register(len).expect("region");
         let mut bytes = vec![0u8; len];

@@ -23,7 +23,7 @@ use pagewire_client::remote::{Outcome, ReaderConfig, RemoteReader};
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};
-use pagewire_rdma::tcp::{ConnectionConfig, ResponderConfig, TcpConnection, TcpResponder};
+use pagewire_rdma::tcp::{ConnectionConfig, OwnerConfig, TcpConnection, TcpOwner};
 use pagewire_rdma::{Chaos, LocalRegion, RegionDescriptor};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -62,12 +62,12 @@ fn owner_process() {
     // The tcp software NIC serves the same memory in place, in chaos mode
     // (cache lines of each READ copied in random order, half of the READs
     // paused halfway).
-    let mut rc = ResponderConfig::new(TOKEN.as_bytes().to_vec());
+    let mut rc = OwnerConfig::new(TOKEN.as_bytes().to_vec());
     rc.epoch = Some(desc.epoch);
     rc.chaos = Some(Chaos {
         pause: Some(Duration::from_micros(20)),
     });
-    let responder = TcpResponder::bind("127.0.0.1:0", rc).unwrap();
+    let responder = TcpOwner::bind("127.0.0.1:0", rc).unwrap();
     let r = cache.region();
     let keep: pagewire_rdma::MemoryOwner = cache.clone();
     // SAFETY: the region stays mapped while `keep` (the cache) lives, and the

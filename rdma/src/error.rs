@@ -128,7 +128,7 @@ pub enum RegisterError {
     Closed,
 }
 
-/// Why an owner (a `tcp` responder, an `shm` owner, a `verbs` owner) could
+/// Why an owner (a `tcp` owner, an `shm` owner, a `verbs` owner) could
 /// not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

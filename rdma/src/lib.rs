@@ -13,7 +13,7 @@
 //!
 //! * [`verbs`] (cargo feature `verbs`): ibverbs RC queue pairs through
 //!   `sideway`; RoCE or soft-RoCE. The owner's CPU takes no part in a READ.
-//! * [`tcp`]: a software NIC. The owner runs a responder that serves READs
+//! * [`tcp`]: a software NIC. The owner ([`tcp::TcpOwner`]) serves READs
 //!   straight from registered regions, bounds-checked by rkey, epoch and
 //!   length; pipelined, batched, authenticated with a cluster token.
 //! * [`shm`]: processes on one host. Regions live in files under `/dev/shm`,

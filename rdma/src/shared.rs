@@ -490,7 +490,7 @@ mod tests {
     #[test]
     fn threads_share_one_connection_and_each_gets_its_own_completions() {
         let responder =
-            tcp::TcpResponder::bind("127.0.0.1:0", tcp::ResponderConfig::new(TOKEN)).expect("bind");
+            tcp::TcpOwner::bind("127.0.0.1:0", tcp::OwnerConfig::new(TOKEN)).expect("bind");
         let region = responder.register(1 << 16).expect("register");
         let bytes: Vec<u8> = (0..1 << 16).map(|i| (i * 7 + i / 251) as u8).collect();
         region.write_bytes(0, &bytes);
@@ -533,7 +533,7 @@ mod tests {
     #[test]
     fn a_lost_peer_breaks_the_shared_connection() {
         let responder =
-            tcp::TcpResponder::bind("127.0.0.1:0", tcp::ResponderConfig::new(TOKEN)).expect("bind");
+            tcp::TcpOwner::bind("127.0.0.1:0", tcp::OwnerConfig::new(TOKEN)).expect("bind");
         let region = responder.register(4096).expect("register");
         let desc = region.descriptor();
         let conn =

@@ -6,9 +6,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pagewire_rdma::tcp::{
-    ConnectionConfig, ResponderConfig, TcpConnection, TcpRegion, TcpResponder,
-};
+use pagewire_rdma::tcp::{ConnectionConfig, OwnerConfig, TcpConnection, TcpOwner, TcpRegion};
 use pagewire_rdma::{
     Chaos, ConnectError, Connection, LocalRegion, MemoryOwner, OwnerError, ReadError,
 };
@@ -16,7 +14,7 @@ use pagewire_rdma::{
 const TOKEN: &[u8] = b"conformance cluster token";
 
 struct Tcp {
-    responder: Arc<TcpResponder>,
+    responder: Arc<TcpOwner>,
 }
 
 impl conformance::Harness for Tcp {
@@ -25,10 +23,10 @@ impl conformance::Harness for Tcp {
     const CHAOS: bool = true;
 
     fn new(chaos: Option<Chaos>) -> Self {
-        let mut config = ResponderConfig::new(TOKEN);
+        let mut config = OwnerConfig::new(TOKEN);
         config.chaos = chaos;
         Self {
-            responder: Arc::new(TcpResponder::bind("127.0.0.1:0", config).expect("bind")),
+            responder: Arc::new(TcpOwner::bind("127.0.0.1:0", config).expect("bind")),
         }
     }
 
@@ -48,9 +46,9 @@ impl conformance::Harness for Tcp {
 
 impl conformance::EpochHarness for Tcp {
     fn with_epoch(epoch: u64) -> Self {
-        let mut config = ResponderConfig::new(TOKEN);
+        let mut config = OwnerConfig::new(TOKEN);
         config.epoch = Some(epoch);
-        let responder = TcpResponder::bind("127.0.0.1:0", config).expect("bind");
+        let responder = TcpOwner::bind("127.0.0.1:0", config).expect("bind");
         assert_eq!(responder.epoch(), epoch);
         Self {
             responder: Arc::new(responder),
@@ -90,9 +88,9 @@ external_memory_tests!(Tcp);
 
 #[test]
 fn epoch_zero_is_refused() {
-    let mut config = ResponderConfig::new(TOKEN);
+    let mut config = OwnerConfig::new(TOKEN);
     config.epoch = Some(0);
-    let e = TcpResponder::bind("127.0.0.1:0", config);
+    let e = TcpOwner::bind("127.0.0.1:0", config);
     assert!(matches!(e, Err(OwnerError::ZeroEpoch)), "{:?}", e.err());
 }
 
@@ -103,9 +101,9 @@ fn epoch_zero_is_refused() {
 fn spinning_is_bounded_and_optional() {
     conformance::bounded(60, || {
         for spin in [Duration::ZERO, Duration::from_secs(30)] {
-            let mut rc = ResponderConfig::new(TOKEN);
+            let mut rc = OwnerConfig::new(TOKEN);
             rc.spin = spin;
-            let resp = TcpResponder::bind("127.0.0.1:0", rc).expect("bind");
+            let resp = TcpOwner::bind("127.0.0.1:0", rc).expect("bind");
             let r = resp.register(64 << 10).expect("register");
             let p = conformance::pattern(64 << 10, 31);
             r.write_bytes(0, &p);

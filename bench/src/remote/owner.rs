@@ -20,7 +20,7 @@ use anyhow::{Context, bail};
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache};
 use pagewire_rdma::shm::ShmOwner;
-use pagewire_rdma::tcp::{ResponderConfig, TcpResponder};
+use pagewire_rdma::tcp::{OwnerConfig, TcpOwner};
 use pagewire_rdma::{LocalRegion, MemoryOwner, RegionDescriptor};
 use serde::{Deserialize, Serialize};
 
@@ -80,10 +80,10 @@ pub fn serve(a: &OwnerArgs) -> anyhow::Result<()> {
         Some(Box::new(region)),
     )?);
     cache.set_epoch(epoch);
-    let mut config = ResponderConfig::new(token);
+    let mut config = OwnerConfig::new(token);
     config.epoch = Some(epoch);
     config.spin = Duration::from_micros(a.spin_us);
-    let responder = TcpResponder::bind((Ipv4Addr::LOCALHOST, 0), config)?;
+    let responder = TcpOwner::bind((Ipv4Addr::LOCALHOST, 0), config)?;
     let view = cache.region();
     let keep: MemoryOwner = Arc::clone(&cache) as MemoryOwner;
     // SAFETY:

@@ -40,7 +40,7 @@ use crate::PageCache;
 use pagewire_client::error_chain as chain;
 use pagewire_proto::v1::TransportDescriptor;
 use pagewire_rdma::shm::ShmOwner;
-use pagewire_rdma::tcp::{ResponderConfig, TcpRegion, TcpResponder};
+use pagewire_rdma::tcp::{OwnerConfig, TcpOwner, TcpRegion};
 use pagewire_rdma::{LocalRegion, OwnerError, RegionDescriptor};
 
 use super::{Config, DaemonError};
@@ -50,7 +50,7 @@ pub(crate) struct Served {
     pub(crate) epoch: u64,
     shm: Option<(ShmOwner, RegionDescriptor, PathBuf)>,
     // Field order: the tcp registration goes before its responder.
-    tcp: Option<(TcpRegion, TcpResponder, String)>,
+    tcp: Option<(TcpRegion, TcpOwner, String)>,
     #[cfg(feature = "verbs")]
     verbs: Option<verbs::Served>,
 }
@@ -195,10 +195,10 @@ pub(crate) fn open(
     let mut tcp = None;
     if t.tcp {
         let listen = listen_addr(cfg, &t.tcp_listen);
-        let mut rc = ResponderConfig::new(token.as_bytes().to_vec());
+        let mut rc = OwnerConfig::new(token.as_bytes().to_vec());
         rc.epoch = Some(epoch);
         rc.spin = std::time::Duration::from_micros(t.tcp_spin_us);
-        let responder = TcpResponder::bind(listen.as_str(), rc)
+        let responder = TcpOwner::bind(listen.as_str(), rc)
             .map_err(|e| cfg_err("transports.tcp_listen", format!("{listen}: {}", chain(&e))))?;
         let (ptr, len) = region_of(&cache)?;
         let keep: pagewire_rdma::MemoryOwner = cache.clone();

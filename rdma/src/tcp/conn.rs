@@ -34,7 +34,7 @@ pub struct ConnectionConfig {
     pub op_timeout: Duration,
     /// Requests in flight, at most.
     pub max_outstanding: usize,
-    /// Bytes of one READ, at most (the responder may allow less).
+    /// Bytes of one READ, at most (the owner may allow less).
     pub max_read_len: usize,
     /// How long [`Connection::wait`] polls the socket without blocking
     /// before it blocks; zero blocks at once. At most
@@ -77,7 +77,7 @@ enum Slot {
     },
 }
 
-/// A reader's connection to a [`TcpResponder`](super::TcpResponder).
+/// A reader's connection to a [`TcpOwner`](super::TcpOwner).
 pub struct TcpConnection {
     stream: TcpStream,
     config: ConnectionConfig,
@@ -101,7 +101,7 @@ pub struct TcpConnection {
 unsafe impl Send for TcpConnection {}
 
 impl TcpConnection {
-    /// Connects to a responder and runs the handshake, each within
+    /// Connects to a [`TcpOwner`](super::TcpOwner) and runs the handshake, each within
     /// [`ConnectionConfig::connect_timeout`].
     ///
     /// # Errors

@@ -1,22 +1,22 @@
 //! `tcp`: a software NIC for clusters without RDMA.
 //!
-//! The owner runs a [`TcpResponder`]: it registers regions and serves READ
+//! The owner runs a [`TcpOwner`]: it registers regions and serves READ
 //! requests straight from them — checked against the rkey, the epoch and the
 //! region's bounds, never calling into a page cache. A region is either an
-//! anonymous mapping the responder allocates ([`TcpResponder::register`]) or
-//! memory the caller already has ([`TcpResponder::register_external`], e.g.
+//! anonymous mapping the owner allocates ([`TcpOwner::register`]) or
+//! memory the caller already has ([`TcpOwner::register_external`], e.g.
 //! the node's whole page-cache region), served in place, without a copy
-//! beyond the one into the socket. Every region of a responder carries its
-//! epoch: [`ResponderConfig::epoch`] (the node's incarnation), or a random
+//! beyond the one into the socket. Every region of an owner carries its
+//! epoch: [`OwnerConfig::epoch`] (the node's incarnation), or a random
 //! one. A bad request gets an error reply, never a byte outside the
 //! region, and the connection carries on. A reader opens a [`TcpConnection`],
 //! which pipelines many outstanding requests and writes a whole batch with
-//! one `send`; the responder answers everything one `recv` brought in with
+//! one `send`; the owner answers everything one `recv` brought in with
 //! one `send`. Each connection starts with a mutual handshake over a shared
 //! cluster token (HMAC-SHA256 challenge-response, see `wire.rs`).
 //!
 //! The files: `wire.rs` (the byte layout of the handshake, requests and
-//! responses, and their encoders), `owner.rs` (the responder: regions, the
+//! responses, and their encoders), `owner.rs` (the [`TcpOwner`]: regions, the
 //! accept thread, one serving thread per connection), `conn.rs` (the
 //! reader's [`TcpConnection`]: request slots, the receive buffer, timeouts).
 //!
@@ -24,7 +24,7 @@
 //!
 //! A serving thread that answered, and a reader that waits for answers,
 //! first poll their socket without blocking for up to
-//! [`ResponderConfig::spin`] / [`ConnectionConfig::spin`] (50 µs by
+//! [`OwnerConfig::spin`] / [`ConnectionConfig::spin`] (50 µs by
 //! default), then block: a loopback round trip costs about 7 µs when both
 //! sides spin and 60–70 µs when each answer has to wake a sleeping thread
 //! on an idle core. At most `available_parallelism() - 1` serving threads,
@@ -46,25 +46,25 @@ use std::time::Duration;
 use crate::{ConnectError, handshake};
 
 pub use conn::{ConnectionConfig, TcpConnection};
-pub use owner::{ResponderConfig, TcpRegion, TcpResponder};
+pub use owner::{OwnerConfig, TcpOwner, TcpRegion};
 pub use wire::{REQUEST_LEN, RESPONSE_HEADER_LEN};
 
 use wire::MAGIC;
 
-/// How long a client waits for the handshake and the responder for a hello.
+/// How long a client waits for the handshake and the owner for a hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default of [`ResponderConfig::spin`] and [`ConnectionConfig::spin`].
+/// Default of [`OwnerConfig::spin`] and [`ConnectionConfig::spin`].
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// The client side of this transport's handshake over any stream (the
-/// decoder of the responder's challenge), for the fuzz targets and tests
+/// decoder of the owner's challenge), for the fuzz targets and tests
 /// that stand in for one end of a connection.
 #[doc(hidden)]
 pub fn handshake_client<S: Read + Write>(s: &mut S, token: &[u8]) -> Result<(), ConnectError> {
     handshake::client(s, MAGIC, token)
 }
 
-/// The responder side of this transport's handshake over any stream (the
+/// The owner's side of this transport's handshake over any stream (the
 /// decoder of a client's hello and answer); `Ok(true)` when the client
 /// proved it holds `token`.
 #[doc(hidden)]

@@ -1,4 +1,4 @@
-//! The owner's side of `tcp`: [`TcpResponder`] registers regions and serves
+//! The owner's side of `tcp`: [`TcpOwner`] registers regions and serves
 //! READs of them, one accept thread and one serving thread per connection.
 //! A serving thread answers every whole request one `recv` brought in, under
 //! the region table's read lock, with one `send`; dropping a [`TcpRegion`]
@@ -25,16 +25,16 @@ use super::wire::{
 };
 use super::{DEFAULT_SPIN, HANDSHAKE_TIMEOUT};
 
-/// Settings of a [`TcpResponder`].
+/// Settings of a [`TcpOwner`].
 #[derive(Debug, Clone)]
-pub struct ResponderConfig {
+pub struct OwnerConfig {
     /// Cluster token every client must prove it holds.
     pub token: Vec<u8>,
     /// Test mode: chaotic copies (see [`Chaos`]).
     pub chaos: Option<Chaos>,
     /// Largest READ served, in bytes.
     pub max_read_len: u32,
-    /// The epoch every descriptor of this responder carries (the node's
+    /// The epoch every descriptor of this owner carries (the node's
     /// incarnation); `None` picks a random one. Zero is reserved
     /// ([`OwnerError::ZeroEpoch`]).
     pub epoch: Option<u64>,
@@ -44,7 +44,7 @@ pub struct ResponderConfig {
     pub spin: Duration,
 }
 
-impl ResponderConfig {
+impl OwnerConfig {
     /// Defaults: no chaos, READs up to 16 MiB, a random epoch, spin
     /// [`DEFAULT_SPIN`].
     #[must_use]
@@ -66,7 +66,7 @@ struct RegionMem {
 }
 
 struct Shared {
-    config: ResponderConfig,
+    config: OwnerConfig,
     epoch: u64,
     regions: RwLock<HashMap<u32, Arc<RegionMem>>>,
     closed: AtomicBool,
@@ -78,20 +78,20 @@ struct Shared {
 /// The owner's side of `tcp`: registers regions and serves READs of them.
 ///
 /// One thread accepts, one thread per connection serves. Dropping the
-/// responder (or [`TcpResponder::shutdown`]) closes every connection.
-pub struct TcpResponder {
+/// owner (or [`TcpOwner::shutdown`]) closes every connection.
+pub struct TcpOwner {
     shared: Arc<Shared>,
     listener: TcpListener,
     addr: SocketAddr,
 }
 
-impl TcpResponder {
+impl TcpOwner {
     /// Listens on `addr` (use port 0 for any free port) and starts serving.
     ///
     /// # Errors
     /// [`OwnerError::ZeroEpoch`] when the config asks for epoch 0;
     /// [`OwnerError::Io`] when the socket could not be bound.
-    pub fn bind(addr: impl ToSocketAddrs, config: ResponderConfig) -> Result<Self, OwnerError> {
+    pub fn bind(addr: impl ToSocketAddrs, config: OwnerConfig) -> Result<Self, OwnerError> {
         let epoch = choose_epoch(config.epoch)?;
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
@@ -123,7 +123,7 @@ impl TcpResponder {
         self.addr
     }
 
-    /// The epoch every descriptor of this responder carries.
+    /// The epoch every descriptor of this owner carries.
     #[must_use]
     pub fn epoch(&self) -> u64 {
         self.shared.epoch
@@ -136,7 +136,7 @@ impl TcpResponder {
         self.shared.conns.lock().expect("conns lock").len()
     }
 
-    /// Connections accepted since the responder started.
+    /// Connections accepted since the owner started.
     #[must_use]
     pub fn accepted(&self) -> u64 {
         self.shared.next_conn.load(Ordering::Relaxed)
@@ -145,7 +145,7 @@ impl TcpResponder {
     /// Allocates and registers `len` zeroed bytes (page-aligned) for remote READ.
     ///
     /// # Errors
-    /// Zero length, a failed mapping, or a closed responder.
+    /// Zero length, a failed mapping, or a closed owner.
     pub fn register(&self, len: usize) -> Result<TcpRegion, RegisterError> {
         if len == 0 || len > isize::MAX as usize {
             return Err(RegisterError::InvalidLength(len));
@@ -157,9 +157,9 @@ impl TcpResponder {
     }
 
     /// Registers `len` bytes the caller already has at `ptr` for remote READ,
-    /// served in place exactly like a region of [`TcpResponder::register`]
+    /// served in place exactly like a region of [`TcpOwner::register`]
     /// (same rkey, epoch and bounds checks). The region keeps `owner` alive
-    /// until it is dropped; after the drop returns, the responder never
+    /// until it is dropped; after the drop returns, the owner never
     /// touches the memory again and READs of it fail with
     /// [`AccessFault::UnknownKey`](crate::AccessFault::UnknownKey).
     ///
@@ -175,7 +175,7 @@ impl TcpResponder {
     ///
     /// # Errors
     /// Zero length, a range that wraps the address space, or a closed
-    /// responder.
+    /// owner.
     pub unsafe fn register_external(
         &self,
         ptr: NonNull<u8>,
@@ -234,13 +234,13 @@ impl TcpResponder {
     }
 }
 
-impl Drop for TcpResponder {
+impl Drop for TcpOwner {
     fn drop(&mut self) {
         self.shutdown();
     }
 }
 
-/// A region registered with a [`TcpResponder`]; deregistered on drop (after
+/// A region registered with a [`TcpOwner`]; deregistered on drop (after
 /// which no serving thread reads its memory).
 pub struct TcpRegion {
     mem: Arc<RegionMem>,
@@ -358,7 +358,7 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
 
 /// Receives the next request bytes: polls without blocking while `spin`
 /// allows (its window, the process's budget), then blocks. Returns 0 at end
-/// of stream or when the responder closed.
+/// of stream or when the owner closed.
 fn recv_request(
     stream: &mut TcpStream,
     buf: &mut [u8],
@@ -424,7 +424,7 @@ fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<Option<usi
 fn answer(
     req: &[u8],
     regions: &HashMap<u32, Arc<RegionMem>>,
-    config: &ResponderConfig,
+    config: &OwnerConfig,
     out: &mut Vec<u8>,
 ) {
     let u32_at = |o: usize| u32::from_le_bytes(req[o..o + 4].try_into().expect("4 bytes"));
@@ -512,8 +512,7 @@ mod tests {
     /// one when its reader goes away; `accepted` only grows.
     #[test]
     fn connections_are_counted_while_open() {
-        let resp =
-            TcpResponder::bind("127.0.0.1:0", ResponderConfig::new(b"t".to_vec())).expect("bind");
+        let resp = TcpOwner::bind("127.0.0.1:0", OwnerConfig::new(b"t".to_vec())).expect("bind");
         assert_eq!((resp.connections(), resp.accepted()), (0, 0));
         let until = |what: &str, ok: &dyn Fn() -> bool| {
             let t0 = std::time::Instant::now();
@@ -537,9 +536,9 @@ mod tests {
     /// connection keeps serving; a request split across writes is served.
     #[test]
     fn malformed_requests_get_error_replies() {
-        let mut config = ResponderConfig::new(b"t".to_vec());
+        let mut config = OwnerConfig::new(b"t".to_vec());
         config.max_read_len = 1 << 16;
-        let resp = TcpResponder::bind("127.0.0.1:0", config).expect("bind");
+        let resp = TcpOwner::bind("127.0.0.1:0", config).expect("bind");
         let r = resp.register(8192).expect("register");
         r.write_bytes(0, &(0..=255u8).cycle().take(8192).collect::<Vec<_>>());
         let d = r.descriptor();
