@@ -7,7 +7,7 @@
 //! members that only heartbeat (no page data, no node daemon; a member
 //! reports the newest epoch any of them has seen as applied), and W
 //! watchers on `WatchMap` with `compact` set, each expanding every map with
-//! the shared code (`pagewire_proto::map::MapFollower`). Measured:
+//! the shared code (`pagewire_proto::map::MapApplier`). Measured:
 //!
 //! - bytes of the full compact map (`GetMap` with `compact`), of the delta a
 //!   join streams and of the one its handoff's end streams, and of the old
@@ -464,7 +464,7 @@ async fn simulate(
                 return;
             };
             let mut stream = resp.into_inner();
-            let mut follower = Some(pagewire_proto::map::MapFollower::new());
+            let mut follower = Some(pagewire_proto::map::MapApplier::new());
             while let Ok(Some(msg)) = stream.message().await {
                 let len = msg.encoded_len() as u64;
                 let delta = msg.compact.as_ref().is_some_and(|c| c.base_epoch != 0);

@@ -1,6 +1,6 @@
 //! The map stream a node or client follows (`WatchMap`): the input is a
 //! sequence of length-delimited `OwnershipMap` messages, each decoded with
-//! prost and applied to one `MapFollower` (compact maps, deltas on them,
+//! prost and applied to one `MapApplier` (compact maps, deltas on them,
 //! expanded maps). Whatever the follower accepts must equal what a fresh
 //! expander computes from scratch for the map it now holds (the follower's
 //! owner arrays are derived incrementally from the ones it cached).
@@ -17,7 +17,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pagewire_proto::map::{apply_delta, extent_count, resolve, Expander, MapFollower};
+use pagewire_proto::map::{apply_delta, extent_count, resolve, Expander, MapApplier};
 use pagewire_proto::v1::{CompactMap, OwnershipMap};
 use prost::Message;
 
@@ -45,7 +45,7 @@ fn work(full: &CompactMap) -> Option<u64> {
 fuzz_target!(|data: &[u8]| {
     // The raw bytes as one message too (GetMap's answer).
     let _ = OwnershipMap::decode(data);
-    let mut follower = MapFollower::new();
+    let mut follower = MapApplier::new();
     let mut spent = 0u64;
     let mut buf = data;
     for _ in 0..8 {

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use pagewire_fuzz::seeds::{self, Seed};
 use pagewire_node::layout::Superblock;
-use pagewire_proto::map::MapFollower;
+use pagewire_proto::map::MapApplier;
 use pagewire_proto::v1::OwnershipMap;
 use prost::Message;
 
@@ -84,7 +84,7 @@ fn tcp_seeds_are_real_requests_and_answers() {
 fn compact_map_seeds_expand() {
     let maps = seeds::compact_maps();
     for (name, bytes) in &maps {
-        let mut f = MapFollower::new();
+        let mut f = MapApplier::new();
         let mut buf = &bytes[..];
         while !buf.is_empty() {
             let m = OwnershipMap::decode_length_delimited(&mut buf).unwrap();

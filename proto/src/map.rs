@@ -1,4 +1,4 @@
-//! Compact ownership maps: expanding them, and following a stream of deltas.
+//! Compact ownership maps: expanding them, and applying a stream of deltas.
 //!
 //! A [`CompactMap`] describes an ownership map by what determines it (the
 //! members, their weights, the candidate sets of weighted rendezvous hashing
@@ -521,15 +521,17 @@ pub fn apply_delta(base: &CompactMap, delta: &CompactMap) -> Result<CompactMap, 
     })
 }
 
-/// Follows a `WatchMap` stream (or `GetMap` answers) of compact maps and
-/// deltas, expanding each: what a node or a client holds.
+/// Applies a `WatchMap` stream (or `GetMap` answers) of compact maps and
+/// deltas, expanding each: what a node or a client holds. It only applies
+/// what it is given: the thread that polls the coordinator for it, with the
+/// trust window, is the client crate's `pagewire_client::MapFollower`.
 #[derive(Default)]
-pub struct MapFollower {
+pub struct MapApplier {
     current: Option<CompactMap>,
     expander: Expander,
 }
 
-impl MapFollower {
+impl MapApplier {
     pub fn new() -> Self {
         Self::default()
     }
@@ -734,7 +736,7 @@ mod tests {
         assert_eq!(d.base_epoch, 5);
         assert_eq!(d.nodes.len(), 2, "only what changed travels");
         assert_eq!(apply_delta(&base, &d).unwrap(), next);
-        let mut f = MapFollower::new();
+        let mut f = MapApplier::new();
         let wrap = |c: CompactMap| OwnershipMap {
             epoch: c.epoch,
             compact: Some(c),

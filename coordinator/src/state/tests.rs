@@ -331,7 +331,7 @@ fn a_registration_may_ask_for_the_map_compact() {
         compact.owner.is_empty(),
         "the expanded arrays were sent too"
     );
-    let expanded = pagewire_proto::map::MapFollower::new()
+    let expanded = pagewire_proto::map::MapApplier::new()
         .apply(compact)
         .unwrap();
     let now = c.map();
@@ -579,7 +579,7 @@ impl Rng {
 /// state machine. Returns the number of overrides the map carries.
 fn check_compact(
     c: &ClusterState,
-    follower: &mut cmap::MapFollower,
+    follower: &mut cmap::MapApplier,
     sent: &mut Option<Arc<CompactMap>>,
 ) -> usize {
     use prost::Message;
@@ -633,7 +633,7 @@ fn the_compact_map_always_expands_to_the_arrays() {
         let dir = tempfile::tempdir().unwrap();
         let mut c = open(dir.path());
         let mut rng = Rng(seed * 1_000_003);
-        let mut follower = cmap::MapFollower::new();
+        let mut follower = cmap::MapApplier::new();
         let mut sent = None;
         let ids: Vec<String> = (0..7).map(|i| format!("n{i}")).collect();
         for _ in 0..70 {
@@ -809,7 +809,7 @@ fn a_format_1_state_file_is_converted_on_load() {
         ),
         truth
     );
-    let mut follower = cmap::MapFollower::new();
+    let mut follower = cmap::MapApplier::new();
     let mut sent = None;
     let n = check_compact(&c, &mut follower, &mut sent);
     assert_eq!(

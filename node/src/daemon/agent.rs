@@ -231,7 +231,7 @@ impl Agent {
                     // The map comes compact: expanded here (shared code).
                     match r
                         .map
-                        .map(|m| pagewire_proto::map::MapFollower::new().apply(m))
+                        .map(|m| pagewire_proto::map::MapApplier::new().apply(m))
                     {
                         Some(Ok(map)) => self.apply_map(map, generation).await,
                         Some(Err(e)) => {
@@ -370,7 +370,7 @@ impl Agent {
     async fn watch_loop(self, generation: u64) {
         let mut backoff = Duration::from_millis(100);
         // Compact maps and deltas, expanded here (shared code in proto).
-        let mut compact = pagewire_proto::map::MapFollower::new();
+        let mut compact = pagewire_proto::map::MapApplier::new();
         loop {
             compact.reset();
             let pick = self.coords.pick();

@@ -296,7 +296,7 @@ mod tests {
                 owner_set: 3,
                 ..Default::default()
             };
-            let map = pagewire_proto::map::MapFollower::new()
+            let map = pagewire_proto::map::MapApplier::new()
                 .apply(OwnershipMap {
                     epoch: 3,
                     compact: Some(compact),

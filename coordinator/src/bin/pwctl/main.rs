@@ -356,7 +356,7 @@ fn req<T>(ctx: &Ctx, msg: T) -> tonic::Request<T> {
 /// The expanded view of a `GetMap` answer: a compact map is expanded here
 /// with the shared code; an expanded one (older coordinator) passes as is.
 fn expand_map(map: OwnershipMap) -> anyhow::Result<OwnershipMap> {
-    Ok(pagewire_proto::map::MapFollower::new().apply(map)?)
+    Ok(pagewire_proto::map::MapApplier::new().apply(map)?)
 }
 
 async fn run(cli: Cli) -> anyhow::Result<bool> {
