@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use pagewire_client::remote::{ReaderConfig, RemoteReader};
+use pagewire_client::one_sided::{ReaderConfig, RemoteReader};
 use pagewire_node::pattern;
 use pagewire_rdma::RegionDescriptor;
 use pagewire_rdma::shm::{ShmConfig, ShmConnection};
@@ -469,7 +469,7 @@ fn prime_locations<C: pagewire_rdma::Connection>(
     let mut buf = vec![0u8; r.superblock().layout.page_size];
     for p in 0..pages {
         match r.read_page(p, &mut buf)? {
-            pagewire_client::remote::Outcome::Hit { .. } => {}
+            pagewire_client::one_sided::Outcome::Hit { .. } => {}
             o => bail!("priming: page {p} was not one-sided readable ({o:?})"),
         }
     }

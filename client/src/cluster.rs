@@ -5,7 +5,7 @@
 //!   until when the map may be trusted (the *trust window*).
 //! * [`ClusterClient`]: one per process, shared by every thread (`Send +
 //!   Sync`, `&self`); routes each page to the node that answers it, reads
-//!   it one-sidedly ([`crate::remote`] through the [`crate::OwnerPool`],
+//!   it one-sidedly ([`crate::one_sided`] through the [`crate::OwnerPool`],
 //!   over `shm`, `verbs` or `tcp`) or with the two-sided `Read` RPC, writes
 //!   through the owner's `Write` RPC, and retries through failover until a
 //!   deadline.
@@ -28,7 +28,7 @@
 //! whose answer confirmed the map's epoch as the coordinator's current one
 //! ([`trust_window`]; `cluster::follower` says why a `Status` epoch confirms a
 //! map). No operation starts on a map past its window, and every one-sided
-//! reader is given the window ([`crate::remote::RemoteReader::trust_until`]):
+//! reader is given the window ([`crate::one_sided::RemoteReader::trust_until`]):
 //! a read that starts or *ends* past it fails with `LeaseExpired` and
 //! returns no bytes; the client then waits for a poll (blocking, bounded by
 //! the deadline) and retries.
@@ -150,8 +150,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::latency::{LatencyHistogram, PathLatency, ReadPathLabel};
+use crate::one_sided::{ReaderConfig, ReaderStats};
 use crate::pool::{OwnerPool, PoolConfig, PoolError, RunOptions};
-use crate::remote::{ReaderConfig, ReaderStats};
 use crate::slot::Padded;
 use flight::{Answer, Flights, Role};
 use follower::Snapshot;

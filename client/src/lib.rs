@@ -11,14 +11,14 @@
 //!   ownership map and says until when it may be trusted.
 //! * [`ClusterClient`]: one per process, shared by its threads; routes each
 //!   page (or run of pages) to the node that answers it, reads
-//!   it one-sidedly ([`remote`]) or with the owner's gRPC `Read`, writes
+//!   it one-sidedly ([`one_sided`]) or with the owner's gRPC `Read`, writes
 //!   through the owner's `Write`, and retries through failover until a
 //!   deadline ([`cluster`] has the freshness argument and the fallback
 //!   table).
 //! * [`OwnerPool`]: one-sided connections to owners with the `FaultIn`
 //!   fallback, shared by threads; what the node daemon uses for pages it
 //!   does not serve.
-//! * [`remote::RemoteReader`]: the one-sided reader of one owner's region
+//! * [`one_sided::RemoteReader`]: the one-sided reader of one owner's region
 //!   (read-validate-retry over the layout of [`pagewire_layout`]).
 //! * [`clock`]: the monotonic clock of leases and trust windows, which
 //!   counts time spent suspended.
@@ -118,8 +118,8 @@ pub mod latency;
 mod locations;
 #[cfg(feature = "prometheus")]
 pub mod metrics;
+pub mod one_sided;
 pub mod pool;
-pub mod remote;
 mod slot;
 
 /// An error and its sources, `: `-separated, for log lines and messages
@@ -130,8 +130,8 @@ pub use cluster::{
     ClientConfig, ClientError, ClientStats, ClusterClient, FollowerConfig, MapFollower, ReadInfo,
     ReadPath, RunInfo, Transport, TransportChoice, Via, read_owner, trust_window, write_owner,
 };
+pub use one_sided::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
 pub use pool::{OwnerPool, PageRead, PoolConfig, PoolError, PoolStats, RunOptions};
-pub use remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
 
 /// The README's program, compiled as a doctest.
 #[doc = include_str!("../README.md")]

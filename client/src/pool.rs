@@ -5,9 +5,9 @@
 //!
 //! A read ([`OwnerPool::read_into`]) takes an idle reader of the owner out
 //! of the pool (or opens a new one, with no lock held), reads the run
-//! one-sidedly ([`crate::remote`]: over `shm` when the owner's shm file is
+//! one-sidedly ([`crate::one_sided`]: over `shm` when the owner's shm file is
 //! on this host, else `verbs` where built and usable, else `tcp`), batched
-//! under one doorbell per round ([`crate::remote::RemoteReader::read_run`],
+//! under one doorbell per round ([`crate::one_sided::RemoteReader::read_run`],
 //! as many pages as the connection's queue holds, at most [`RUN_CHUNK`]),
 //! and puts the reader back. Pages the
 //! owner's index does not show (or that keep moving) are faulted in on the
@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use crate::cluster::Transport;
 use crate::cluster::owner::{self, ConnectHow, Faulted, NodeRpc, OwnerConn, TransportChoice};
-use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError};
+use crate::one_sided::{Outcome, ReaderConfig, ReaderStats, RemoteError};
 use crate::slot::{self, Padded};
 use pagewire_proto::auth::{AttachToken, TokenError};
 use pagewire_proto::net::ClientTls;

@@ -7,7 +7,7 @@
 
 mod common;
 
-use pagewire_client::remote::{Outcome, ReaderConfig, RemoteError, RemoteReader};
+use pagewire_client::one_sided::{Outcome, ReaderConfig, RemoteError, RemoteReader};
 use pagewire_node::pattern;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::node_client::NodeClient;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use pagewire_fuzz::{REGION_LEN, ShmTarget};
-use pagewire_client::remote::{Outcome, ReaderConfig, RemoteReader};
+use pagewire_client::one_sided::{Outcome, ReaderConfig, RemoteReader};
 
 fuzz_target!(|data: &[u8]| {
     let t = ShmTarget::get();

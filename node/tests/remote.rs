@@ -19,7 +19,7 @@ use common::{
     FRAMES, OwnerProcess, PAGES, PS, Tally, acked_words, create_acked, open_acked, read_loop,
     run_owner, secs, wait_for,
 };
-use pagewire_client::remote::{Outcome, ReaderConfig, RemoteReader};
+use pagewire_client::one_sided::{Outcome, ReaderConfig, RemoteReader};
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::shm::{ShmConfig, ShmConnection, ShmOwner};

@@ -26,7 +26,7 @@ use common::{
     FRAMES, OwnerProcess, PAGES, PS, Tally, acked_words, create_acked, open_acked, read_loop,
     run_owner, secs, wait_for,
 };
-use pagewire_client::remote::{ReaderConfig, RemoteReader};
+use pagewire_client::one_sided::{ReaderConfig, RemoteReader};
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache, pattern};
 use pagewire_rdma::verbs::{DEVICE_ENV, VerbsConfig, VerbsConnection, VerbsOwner};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use pagewire_client::remote::{Outcome, RemoteReader};
+use pagewire_client::one_sided::{Outcome, RemoteReader};
 use pagewire_client::{ClusterClient, Via};
 use pagewire_node::pattern;
 use pagewire_proto::v1::{PageRun, ReadRequest};

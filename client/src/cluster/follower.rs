@@ -370,7 +370,7 @@ impl MapFollower {
     /// Until when the current map may be trusted (None: never confirmed
     /// under a usable lease), on a clock that counts the time the machine
     /// spends suspended (it is later than `Instant::now()` after a suspend;
-    /// [`crate::remote::RemoteReader::trust_until`] checks it on that clock).
+    /// [`crate::one_sided::RemoteReader::trust_until`] checks it on that clock).
     pub fn trusted_until(&self) -> Option<Instant> {
         self.shared.lock().trust_until
     }

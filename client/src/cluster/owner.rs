@@ -8,14 +8,14 @@
 //! when the owner restarts. A connection remembers the epoch it was opened
 //! with; the caller compares it with the map's ([`region_epoch`]) and
 //! reconnects when they differ. The reader itself refuses a descriptor of
-//! an earlier incarnation ([`crate::remote::RemoteError::Stale`]).
+//! an earlier incarnation ([`crate::one_sided::RemoteError::Stale`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::remote::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
+use crate::one_sided::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::node_client::NodeClient;
@@ -404,7 +404,7 @@ pub(crate) mod verbs {
     use pagewire_rdma::{ConnectError, SharedConnection, SharedHandle, WeakShared};
 
     use super::{ConnectHow, OwnerConn, Reader, TransportChoice, chain, descriptor};
-    use crate::remote::RemoteReader;
+    use crate::one_sided::RemoteReader;
 
     /// One thread's share of the process's queue pair to an owner.
     pub(crate) type Handle = SharedHandle<VerbsConnection>;

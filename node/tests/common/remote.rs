@@ -11,7 +11,7 @@
 #![allow(dead_code)] // each test binary uses its own part
 
 use memmap2::{Mmap, MmapMut};
-use pagewire_client::remote::{Outcome, RemoteReader};
+use pagewire_client::one_sided::{Outcome, RemoteReader};
 use pagewire_node::{PageCache, pattern};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
