@@ -1,0 +1,117 @@
+//! The RDMA floor: perftest's `ib_read_lat` and `ib_read_bw` between this
+//! machine and the owner's, as rows beside pagewire's.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::{Row, cluster};
+
+/// perftest's 4 KiB READ latency and bandwidth on the RDMA link between
+/// this machine and the owner's (one run of each): the server on the
+/// owner's machine, the client here. Rows `perftest`/`ib_read_lat` (p50 = t_typical, p99 = its
+/// 99 % percentile, ops/s = 1/t_avg) and `perftest`/`ib_read_bw`
+/// (ops/s = its message rate; no latency).
+pub(super) fn perftest_rows(
+    on: &cluster::Placement,
+    device: &str,
+    iters: u64,
+    skipped: &mut Vec<String>,
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for tool in ["ib_read_lat", "ib_read_bw"] {
+        let port = fastrand::u16(18_000..19_000).to_string();
+        let common = [
+            "-d",
+            device,
+            "-s",
+            "4096",
+            "-n",
+            &iters.to_string(),
+            "-F",
+            "-p",
+            &port,
+        ];
+        let mut server = on.command(Path::new(tool));
+        server
+            .args(common)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        crate::storm::die_with_parent(&mut server);
+        let mut server = match server.spawn() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                skipped.push(format!("perftest: {tool} not found, its row skipped"));
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("starting the {tool} server")),
+        };
+        // The server needs a moment to listen (seconds under an emulated CPU).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let out = loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let o = std::process::Command::new(tool)
+                .args(common)
+                .arg(&on.ip)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .with_context(|| format!("running {tool}"))?;
+            if o.status.success() || Instant::now() > deadline {
+                break o;
+            }
+        };
+        let _ = server.kill();
+        let _ = server.wait();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            skipped.push(format!(
+                "perftest: {tool} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+            continue;
+        }
+        // The figures are the line that starts with the message size.
+        let nums: Vec<f64> = text
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with("4096 "))
+            .map(|l| {
+                l.split_whitespace()
+                    .filter_map(|v| v.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let row = |ops: f64, p50: f64, p99: f64| Row {
+            path: "perftest",
+            transport: tool,
+            index_cache: "-",
+            owner: "-",
+            clients: 1,
+            run: 1,
+            ops_per_sec: ops,
+            p50_us: p50,
+            p99_us: p99,
+            owner_cpu_us_per_read: None,
+            reader_cpu_us_per_read: None,
+            round_trips_per_read: 1.0,
+            wrong_reads: 0,
+            retries: 0,
+            validation_failures: 0,
+            fallbacks: 0,
+            repeats_ops_per_sec: vec![ops],
+        };
+        match (tool, nums.as_slice()) {
+            // bytes iters t_min t_max t_typical t_avg t_stdev p99 p99.9
+            ("ib_read_lat", [_, _, _, _, typical, avg, _, p99, ..]) => {
+                rows.push(row(1e6 / avg, *typical, *p99));
+            }
+            // bytes iters bw_peak bw_avg msg_rate(Mpps)
+            ("ib_read_bw", [_, _, _, _, mpps, ..]) => rows.push(row(mpps * 1e6, 0.0, 0.0)),
+            _ => skipped.push(format!("perftest: cannot read {tool}'s output: {text}")),
+        }
+    }
+    Ok(rows)
+}
