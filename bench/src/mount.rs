@@ -24,14 +24,20 @@
 //!   in cores over each measurement.
 //! * Every mount is unmounted at the end, on error too ([`PwMount`] and
 //!   [`zerofs::ZeroMount`] guards; `fusermount3 -u -z` as the last resort).
+//!
+//! The files: this one runs the cells; `fio` the jobs and their parsing;
+//! `pwmount` the `pagewire-mount` processes; `zerofs` the zero file system;
+//! `summary` the rows, the table and the targets.
 
 mod fio;
+mod pwmount;
+mod summary;
 mod zerofs;
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -39,9 +45,11 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 
 use crate::remote::owner::process_cpu_us;
-use crate::report::{self, median};
+use crate::report;
 use crate::storm::procs::{self, ClusterSpec, Hosts, Programs};
-use fio::{Job, Measured, Pattern};
+use fio::{Job, Measured};
+use pwmount::{PwMount, detach_if_mounted, wait_for_file};
+use summary::{Row, row, table, targets};
 
 const TOKEN: &str = "pagewire-bench-mount-token";
 const PAGE: u64 = 4096;
@@ -166,32 +174,6 @@ struct Sample {
     fuse_cores: Option<f64>,
     /// The three nodes' CPU, cores (mount rows).
     node_cores: Option<f64>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct Row {
-    path: &'static str,
-    transport: &'static str,
-    job: String,
-    verified: bool,
-    iops: f64,
-    mib_per_sec: f64,
-    p50_us: f64,
-    p99_us: f64,
-    /// Reads that failed verification, over every run (`None`: not verified).
-    wrong_reads: Option<u64>,
-    fio_cores: f64,
-    fuse_cores: Option<f64>,
-    node_cores: Option<f64>,
-    runs: Vec<Sample>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct Target {
-    target: String,
-    detail: String,
-    /// `None`: a path it needs was not measured.
-    met: Option<bool>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -483,161 +465,6 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn row(job: Job, via: Via, runs: Vec<Sample>) -> Row {
-    let med = |f: &dyn Fn(&Sample) -> f64| median(runs.iter().map(f).collect());
-    let med_opt = |f: &dyn Fn(&Sample) -> Option<f64>| {
-        let xs: Vec<f64> = runs.iter().filter_map(f).collect();
-        (!xs.is_empty()).then(|| median(xs))
-    };
-    Row {
-        path: via.path(),
-        transport: via.transport(),
-        job: job.name(),
-        verified: via.verify(),
-        iops: med(&|s| s.fio.iops),
-        mib_per_sec: med(&|s| s.fio.bytes_per_sec / 1048576.0),
-        p50_us: med(&|s| s.fio.p50_us),
-        p99_us: med(&|s| s.fio.p99_us),
-        wrong_reads: via
-            .verify()
-            .then(|| runs.iter().map(|s| s.fio.wrong_reads).sum()),
-        fio_cores: med(&|s| s.fio_cores),
-        fuse_cores: med_opt(&|s| s.fuse_cores),
-        node_cores: med_opt(&|s| s.node_cores),
-        runs,
-    }
-}
-
-fn table(rows: &[Row]) -> String {
-    let opt = |x: Option<f64>| x.map_or("-".to_owned(), |v| format!("{v:.2}"));
-    let body: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.path.to_owned(),
-                r.transport.to_owned(),
-                r.job.clone(),
-                if r.verified { "crc32c" } else { "no" }.to_owned(),
-                report::si(r.iops),
-                format!("{:.1}", r.mib_per_sec),
-                format!("{:.1}", r.p50_us),
-                format!("{:.1}", r.p99_us),
-                r.wrong_reads.map_or("n/a".to_owned(), |w| w.to_string()),
-                format!("{:.2}", r.fio_cores),
-                opt(r.fuse_cores),
-                opt(r.node_cores),
-            ]
-        })
-        .collect();
-    let mut s = report::table(
-        &[
-            "path",
-            "transport",
-            "job",
-            "verify",
-            "IOPS",
-            "MiB/s",
-            "p50 µs",
-            "p99 µs",
-            "wrong",
-            "fio cores",
-            "fuse cores",
-            "node cores",
-        ],
-        &body,
-    );
-    s += "medians; qdN = N psync jobs; p50/p99: fio's completion latency; wrong: reads that \
-          failed crc32c verification, summed over the runs (0 = 0 wrong bytes; n/a: not verified); \
-          cores: CPU time / wall time of fio, of the FUSE server (pagewire-mount, or this process \
-          for zero-fuse) and of the 3 nodes\n";
-    s
-}
-
-fn find(rows: &[Row], job: &str, path: &str, transport: &str, verified: bool) -> Option<Row> {
-    rows.iter()
-        .find(|r| {
-            r.job == job && r.path == path && r.transport == transport && r.verified == verified
-        })
-        .cloned()
-}
-
-/// The issue's targets, from the medians.
-fn targets(rows: &[Row], warm: &[WarmPass]) -> Vec<Target> {
-    let mut out = Vec::new();
-    for (pattern, limit, what) in [
-        (
-            Pattern::Rand4k,
-            1.5,
-            "4 KiB random reads over shm within 1.5x of the do-nothing FUSE floor (IOPS)",
-        ),
-        (
-            Pattern::Seq1m,
-            2.0,
-            "1 MiB sequential reads over shm within 2x of the do-nothing FUSE floor (MiB/s)",
-        ),
-    ] {
-        for job in Job::ALL.iter().filter(|j| j.pattern == pattern) {
-            let name = job.name();
-            let zero = find(rows, &name, "zero-fuse", "-", false);
-            let shm = find(rows, &name, "mount", "shm", true);
-            let raw = find(rows, &name, "mount", "shm", false);
-            let value = |r: &Row| match pattern {
-                Pattern::Rand4k => r.iops,
-                Pattern::Seq1m => r.mib_per_sec,
-            };
-            let fmt = |x: f64| match pattern {
-                Pattern::Rand4k => format!("{} IOPS", report::si(x)),
-                Pattern::Seq1m => format!("{x:.0} MiB/s"),
-            };
-            let t = match (&zero, &shm) {
-                (Some(z), Some(s)) => {
-                    let ratio = value(z) / value(s).max(f64::MIN_POSITIVE);
-                    let mut detail = format!(
-                        "{name}: zero FS {} / shm {} = {ratio:.2}x",
-                        fmt(value(z)),
-                        fmt(value(s))
-                    );
-                    if let Some(r) = &raw {
-                        detail += &format!(
-                            " (shm without fio's verification: {} = {:.2}x)",
-                            fmt(value(r)),
-                            value(z) / value(r).max(f64::MIN_POSITIVE)
-                        );
-                    }
-                    Target {
-                        target: what.to_owned(),
-                        detail,
-                        met: Some(ratio <= limit),
-                    }
-                }
-                _ => Target {
-                    target: what.to_owned(),
-                    detail: format!("{name}: needs the shm and zero paths"),
-                    met: None,
-                },
-            };
-            out.push(t);
-        }
-    }
-    let verified: Vec<&Row> = rows.iter().filter(|r| r.verified).collect();
-    let wrong: u64 = verified.iter().filter_map(|r| r.wrong_reads).sum();
-    let warm_wrong: u64 = warm.iter().map(|w| w.wrong_bytes).sum();
-    let reads: u64 = verified
-        .iter()
-        .flat_map(|r| r.runs.iter())
-        .map(|s| s.fio.reads)
-        .sum();
-    out.push(Target {
-        target: "0 wrong bytes in every fio verification".into(),
-        detail: format!(
-            "{wrong} wrong of {reads} verified reads in {} cells; warm passes: {warm_wrong} wrong bytes",
-            verified.len()
-        ),
-        met: (!verified.is_empty()).then_some(wrong == 0 && warm_wrong == 0),
-    });
-    out
-}
-
 /// fio, /dev/fuse and (unprivileged) fusermount3 are here.
 fn preflight(fio: &str) -> anyhow::Result<()> {
     let mut missing = Vec::new();
@@ -711,151 +538,6 @@ fn programs(bin_dir: Option<&Path>) -> anyhow::Result<(Programs, PathBuf)> {
         Programs::new(None)?
     };
     Ok((programs, mount))
-}
-
-/// Whether `dir` is a mount point now.
-fn is_mounted(dir: &Path) -> bool {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let d = dir.to_string_lossy();
-    info.lines()
-        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == d))
-}
-
-/// The last resort: a lazy unmount of whatever is still mounted on `dir`.
-fn detach_if_mounted(dir: &Path) {
-    if !is_mounted(dir) {
-        return;
-    }
-    let ok = Command::new("fusermount3")
-        .args(["-u", "-z"])
-        .arg(dir)
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok && let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
-        // SAFETY: umount2 with a valid NUL-terminated path; it touches no
-        // memory of ours.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    }
-    if is_mounted(dir) {
-        eprintln!(
-            "mount: {} is still mounted: run fusermount3 -u -z on it",
-            dir.display()
-        );
-    }
-}
-
-/// Waits (at most `limit`) until `file` exists with `size` bytes; `alive`
-/// fails the wait early (the server died).
-fn wait_for_file(
-    file: &Path,
-    size: u64,
-    limit: Duration,
-    mut alive: impl FnMut() -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
-    let start = Instant::now();
-    loop {
-        alive()?;
-        let dir = file.parent().unwrap_or(file);
-        if is_mounted(dir) && std::fs::metadata(file).is_ok_and(|m| m.len() == size) {
-            return Ok(());
-        }
-        if stopped() {
-            bail!("interrupted");
-        }
-        if start.elapsed() > limit {
-            bail!(
-                "{} did not show {size} bytes within {limit:?}",
-                file.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// A `pagewire-mount` process; on drop: SIGTERM (it unmounts and exits),
-/// SIGKILL after 10 s, then a lazy unmount if the mount is still there.
-struct PwMount {
-    child: Child,
-    dir: PathBuf,
-    log: PathBuf,
-    transport: &'static str,
-}
-
-impl PwMount {
-    #[allow(clippy::too_many_arguments)]
-    fn start(
-        bin: &Path,
-        coordinator: &str,
-        token_file: &Path,
-        transport: &'static str,
-        workers: u32,
-        dir: &Path,
-        log: &Path,
-        size: u64,
-    ) -> anyhow::Result<Self> {
-        let mut c = Command::new(bin);
-        c.arg("--coordinator")
-            .arg(coordinator)
-            .arg("--token-file")
-            .arg(token_file)
-            .args(["--transport", transport])
-            .args(["--workers", &workers.to_string()])
-            .arg(dir)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(log)?);
-        procs::die_with_parent(&mut c);
-        let child = c
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut m = PwMount {
-            child,
-            dir: dir.to_owned(),
-            log: log.to_owned(),
-            transport,
-        };
-        let file = m.file();
-        wait_for_file(&file, size, Duration::from_secs(60), || m.check_alive())?;
-        Ok(m)
-    }
-
-    fn file(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-
-    fn check_alive(&mut self) -> anyhow::Result<()> {
-        if let Some(st) = self.child.try_wait()? {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(15).collect();
-            bail!(
-                "pagewire-mount --transport {} exited ({st}):\n{}",
-                self.transport,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-        Ok(())
-    }
-}
-
-impl Drop for PwMount {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            // SAFETY: kill(2) on our own child, not yet reaped.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-            let start = Instant::now();
-            while self.child.try_wait().ok().flatten().is_none() {
-                if start.elapsed() > Duration::from_secs(10) {
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        detach_if_mounted(&self.dir);
-    }
 }
 
 /// Reads `file` whole (1 MiB reads) and compares it with `backing`.
