@@ -40,8 +40,8 @@ enum Cmd {
     /// Read-fault storm on one node: N threads reading a file preloaded in
     /// the cache, every index variant and Linux pread side by side.
     Local(local::Args),
-    /// Eviction {clock, lru, fifo} × admission {always, second-hit} side
-    /// by side: a zipfian read storm through a cache smaller than the file,
+    /// Every eviction × admission policy the node implements, side by
+    /// side: a zipfian read storm through a cache smaller than the file,
     /// hit ratio and pages/s per combination.
     Policy(policy::Args),
     /// 1-byte reads and writes through each index variant (`dd bs=1`).

@@ -2,11 +2,12 @@
 //!
 //! N threads read a file through a cache smaller than it (`--cache-fraction`)
 //! on the lockless index, pages drawn zipfian (`--theta`), so misses fault
-//! from the backing file and eviction runs. Every combination of eviction
-//! {clock, lru, fifo} × admission {always, second-hit} gets a fresh cache, a
-//! warm-up, then a timed run; every byte of every read is verified. Repeats
-//! are interleaved across combinations so drift on a shared machine hits
-//! them alike; the figures are medians.
+//! from the backing file and eviction runs. Every combination of the
+//! eviction and admission policies the node implements (`Eviction::ALL` ×
+//! `Admission::ALL`) gets a fresh cache, a warm-up, then a timed run; every
+//! byte of every read is verified. Repeats are interleaved across
+//! combinations so drift on a shared machine hits them alike; the figures
+//! are medians.
 //!
 //! A separate subcommand rather than a `local` flag: it measures a cache
 //! under misses (hit ratio, admissions skipped) where `local` measures the
@@ -97,9 +98,6 @@ pub struct Row {
     pub runs: Vec<f64>,
     pub hit_ratios: Vec<f64>,
 }
-
-const EVICTIONS: [Eviction; 3] = [Eviction::Clock, Eviction::Lru, Eviction::Fifo];
-const ADMISSIONS: [Admission; 2] = [Admission::Always, Admission::SecondHit];
 
 /// One measured run of one combination.
 struct Sample {
@@ -248,10 +246,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .with_context(|| format!("opening {}", path.display()))?
         .len()
         .div_ceil(a.page_size as u64);
-    let combos: Vec<CachePolicy> = EVICTIONS
+    let combos: Vec<CachePolicy> = Eviction::ALL
         .iter()
         .flat_map(|&eviction| {
-            ADMISSIONS.iter().map(move |&admission| CachePolicy {
+            Admission::ALL.iter().map(move |&admission| CachePolicy {
                 admission,
                 eviction,
             })

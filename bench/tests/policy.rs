@@ -30,12 +30,18 @@ fn policy_quick_runs_every_combination() {
         })
         .collect();
     seen.sort();
+    // Every combination of the policies the nodes implement (the
+    // contract's list).
+    use pagewire_proto::policy::{
+        IMPLEMENTED_ADMISSION, IMPLEMENTED_EVICTION, admission_name, eviction_name,
+    };
     let mut want = Vec::new();
-    for e in ["clock", "fifo", "lru"] {
-        for a in ["always", "second-hit"] {
-            want.push((e.to_owned(), a.to_owned()));
+    for &e in IMPLEMENTED_EVICTION {
+        for &a in IMPLEMENTED_ADMISSION {
+            want.push((eviction_name(e).to_owned(), admission_name(a).to_owned()));
         }
     }
+    want.sort();
     assert_eq!(seen, want, "{rows:#?}");
     for r in rows {
         assert_eq!(r["wrong_reads"], 0, "{r}");

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use pagewire_proto::policy::{ADMISSION, EVICTION, one_of};
 use pagewire_proto::v1::{AdmissionPolicy, EvictionPolicy, Policy};
 use serde::Deserialize;
 
@@ -170,81 +171,13 @@ impl Default for PolicyConfig {
     }
 }
 
-/// Parses an admission policy name as written in config files and flags.
-pub fn parse_admission(s: &str) -> Option<AdmissionPolicy> {
-    match s {
-        "always" => Some(AdmissionPolicy::Always),
-        "second-hit" => Some(AdmissionPolicy::SecondHit),
-        _ => None,
-    }
-}
-
-/// Parses an eviction policy name as written in config files and flags.
-pub fn parse_eviction(s: &str) -> Option<EvictionPolicy> {
-    match s {
-        "clock" => Some(EvictionPolicy::Clock),
-        "lru" => Some(EvictionPolicy::Lru),
-        "fifo" => Some(EvictionPolicy::Fifo),
-        _ => None,
-    }
-}
-
-/// The admission policies the nodes implement. The API names more; a policy
-/// outside these lists is refused (config validation, `SetPolicy` with
-/// `UNIMPLEMENTED`), never acknowledged and ignored. Grow a list in the same
-/// change that makes the node apply the policy.
-pub const IMPLEMENTED_ADMISSION: &[AdmissionPolicy] =
-    &[AdmissionPolicy::Always, AdmissionPolicy::SecondHit];
-
-/// The eviction policies the nodes implement (see [`IMPLEMENTED_ADMISSION`]).
-pub const IMPLEMENTED_EVICTION: &[EvictionPolicy] = &[
-    EvictionPolicy::Clock,
-    EvictionPolicy::Lru,
-    EvictionPolicy::Fifo,
-];
-
-/// An admission policy's name as config files and flags write it.
-pub fn admission_name(a: AdmissionPolicy) -> &'static str {
-    match a {
-        AdmissionPolicy::Unspecified => "unspecified",
-        AdmissionPolicy::Always => "always",
-        AdmissionPolicy::SecondHit => "second-hit",
-    }
-}
-
-/// An eviction policy's name as config files and flags write it.
-pub fn eviction_name(e: EvictionPolicy) -> &'static str {
-    match e {
-        EvictionPolicy::Unspecified => "unspecified",
-        EvictionPolicy::Clock => "clock",
-        EvictionPolicy::Lru => "lru",
-        EvictionPolicy::Fifo => "fifo",
-    }
-}
-
-fn names<T: Copy>(all: &[T], name: fn(T) -> &'static str) -> String {
-    all.iter().map(|&x| name(x)).collect::<Vec<_>>().join(", ")
-}
-
-/// Checks that the nodes implement `p`'s admission and eviction policies
-/// (call after [`validate_policy`]); the error names what is implemented.
-pub fn check_implemented(p: &Policy) -> Result<(), String> {
-    if !IMPLEMENTED_ADMISSION.contains(&p.admission()) {
-        return Err(format!(
-            "admission policy {} is not implemented by the nodes (implemented: {})",
-            admission_name(p.admission()),
-            names(IMPLEMENTED_ADMISSION, admission_name)
-        ));
-    }
-    if !IMPLEMENTED_EVICTION.contains(&p.eviction()) {
-        return Err(format!(
-            "eviction policy {} is not implemented by the nodes (implemented: {})",
-            eviction_name(p.eviction()),
-            names(IMPLEMENTED_EVICTION, eviction_name)
-        ));
-    }
-    Ok(())
-}
+// The policy names, their parsing and the implemented lists are the
+// contract's (`pagewire_proto::policy`); re-exported for the coordinator's
+// other modules.
+pub use pagewire_proto::policy::{
+    IMPLEMENTED_ADMISSION, IMPLEMENTED_EVICTION, admission_name, check_implemented, eviction_name,
+    parse_admission, parse_eviction,
+};
 
 /// Checks a policy's fields (from a config file or a SetPolicy call).
 pub fn validate_policy(p: &Policy) -> Result<(), String> {
@@ -284,13 +217,21 @@ impl Config {
         let admission = parse_admission(&self.policy.admission).ok_or_else(|| {
             invalid(
                 "policy.admission",
-                format!("{:?}: expected always or second-hit", self.policy.admission),
+                format!(
+                    "{:?}: expected {}",
+                    self.policy.admission,
+                    one_of(ADMISSION, admission_name)
+                ),
             )
         })?;
         let eviction = parse_eviction(&self.policy.eviction).ok_or_else(|| {
             invalid(
                 "policy.eviction",
-                format!("{:?}: expected clock, lru or fifo", self.policy.eviction),
+                format!(
+                    "{:?}: expected {}",
+                    self.policy.eviction,
+                    one_of(EVICTION, eviction_name)
+                ),
             )
         })?;
         let p = Policy {
@@ -566,11 +507,10 @@ mod tests {
 
     #[test]
     fn unimplemented_policies_are_refused_by_name() {
-        for (admission, eviction) in [
-            ("always", "clock"),
-            ("always", "lru"),
-            ("second-hit", "fifo"),
-        ] {
+        let every = ADMISSION
+            .iter()
+            .flat_map(|&a| EVICTION.iter().map(move |&e| (a, e)));
+        for (admission, eviction) in every.map(|(a, e)| (admission_name(a), eviction_name(e))) {
             let mut cfg = Config::default();
             cfg.policy.admission = admission.into();
             cfg.policy.eviction = eviction.into();

@@ -1,8 +1,10 @@
 //! The cache's admission and eviction policies: what a node implements of
 //! what the coordinator's API names (`pagewire.v1.Policy`). The daemon maps
-//! a pushed policy onto these and refuses (logs, keeps its current one) any
-//! part it does not implement; the coordinator refuses the same policies
-//! before they are ever pushed.
+//! a pushed policy onto these (`daemon/policy.rs`, whose test checks that
+//! every policy `pagewire_proto::policy` lists as implemented maps here, by
+//! the same name) and refuses (logs, keeps its current one) any part it does
+//! not implement; the coordinator refuses the same policies before they are
+//! ever pushed.
 
 /// Which faulted pages enter the cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -43,6 +45,9 @@ pub enum Eviction {
 pub const SAMPLE: usize = 8;
 
 impl Admission {
+    /// Every admission policy this cache implements.
+    pub const ALL: &'static [Admission] = &[Admission::Always, Admission::SecondHit];
+
     /// The name config files and `pwctl` use.
     pub fn name(self) -> &'static str {
         match self {
@@ -53,6 +58,9 @@ impl Admission {
 }
 
 impl Eviction {
+    /// Every eviction policy this cache implements.
+    pub const ALL: &'static [Eviction] = &[Eviction::Clock, Eviction::Lru, Eviction::Fifo];
+
     /// The name config files and `pwctl` use.
     pub fn name(self) -> &'static str {
         match self {

@@ -219,8 +219,8 @@ fn policy(eviction: Eviction, admission: Admission) -> CachePolicy {
 #[test]
 fn stress_lockless() {
     let mut seed = 1;
-    for e in [Eviction::Clock, Eviction::Lru, Eviction::Fifo] {
-        for a in [Admission::Always, Admission::SecondHit] {
+    for &e in Eviction::ALL {
+        for &a in Admission::ALL {
             stress::<Lockless>(seed, policy(e, a));
             seed += 10;
         }

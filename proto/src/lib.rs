@@ -5,7 +5,8 @@
 //! the Rust code tonic/prost generate from them, and the plumbing every
 //! pagewire endpoint shares: the cluster token carried on every call
 //! ([`auth`]), TLS-aware channels ([`net`]), finding the leading coordinator and failing
-//! over between several ([`leader`]), the plain-HTTP Prometheus endpoint
+//! over between several ([`leader`]), the cache policies by name and which
+//! of them the nodes implement ([`policy`]), the plain-HTTP Prometheus endpoint
 //! ([`metrics_http`], feature `server`), and the ownership map's shared code: weighted
 //! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]).
 //!
@@ -21,6 +22,7 @@ pub mod map;
 #[cfg(feature = "server")]
 pub mod metrics_http;
 pub mod net;
+pub mod policy;
 pub mod rendezvous;
 
 /// Generated code of package `pagewire.v1`.

@@ -21,10 +21,13 @@ use std::time::Duration;
 use anyhow::anyhow;
 use clap::{Parser, Subcommand};
 use pagewire_client::error_chain;
-use pagewire_coordinator::config::{parse_admission, parse_eviction};
 use pagewire_coordinator::error::state_name;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::ClientTls;
+use pagewire_proto::policy::{
+    ADMISSION, EVICTION, admission_name, eviction_name, names, one_of, parse_admission,
+    parse_eviction,
+};
 use pagewire_proto::v1::{
     ClusterRangeResponse, DrainRequest, GetMapRequest, ListNodesRequest, NodeInfo, NodeState,
     NodeStats, OwnershipMap, Policy, SetPolicyRequest, StatusRequest, Topology,
@@ -215,11 +218,11 @@ enum Cmd {
     },
     /// Show the admission/eviction policy, or change it.
     Policy {
-        /// always | second-hit
-        #[arg(long)]
+        // Help: the admission policies' names, ` | `-separated.
+        #[arg(long, help = names(ADMISSION, admission_name, " | "))]
         admission: Option<String>,
-        /// clock | lru | fifo
-        #[arg(long)]
+        // Help: the eviction policies' names, ` | `-separated.
+        #[arg(long, help = names(EVICTION, eviction_name, " | "))]
         eviction: Option<String>,
         /// Start evicting at this fill level (percent).
         #[arg(long)]
@@ -392,7 +395,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 .map(|a| {
                     parse_admission(a).ok_or_else(|| {
                         Usage(format!(
-                            "bad --admission {a:?}: expected always or second-hit"
+                            "bad --admission {a:?}: expected {}",
+                            one_of(ADMISSION, admission_name)
                         ))
                     })
                 })
@@ -401,7 +405,10 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 .as_deref()
                 .map(|e| {
                     parse_eviction(e).ok_or_else(|| {
-                        Usage(format!("bad --eviction {e:?}: expected clock, lru or fifo"))
+                        Usage(format!(
+                            "bad --eviction {e:?}: expected {}",
+                            one_of(EVICTION, eviction_name)
+                        ))
                     })
                 })
                 .transpose()?;
@@ -844,37 +851,18 @@ fn print_json(v: &Value) {
 fn policy_json(p: &Policy) -> Value {
     json!({
         "version": p.version,
-        "admission": admission_name(p),
-        "eviction": eviction_name(p),
+        "admission": admission_name(p.admission()),
+        "eviction": eviction_name(p.eviction()),
         "high_watermark_percent": p.high_watermark_percent,
         "low_watermark_percent": p.low_watermark_percent,
     })
 }
 
-fn admission_name(p: &Policy) -> &'static str {
-    use pagewire_proto::v1::AdmissionPolicy as A;
-    match p.admission() {
-        A::Always => "always",
-        A::SecondHit => "second-hit",
-        A::Unspecified => "unspecified",
-    }
-}
-
-fn eviction_name(p: &Policy) -> &'static str {
-    use pagewire_proto::v1::EvictionPolicy as E;
-    match p.eviction() {
-        E::Clock => "clock",
-        E::Lru => "lru",
-        E::Fifo => "fifo",
-        E::Unspecified => "unspecified",
-    }
-}
-
 fn policy_text(p: &Policy) -> String {
     format!(
         "admission {}, eviction {}, watermarks {}%/{}% (version {})",
-        admission_name(p),
-        eviction_name(p),
+        admission_name(p.admission()),
+        eviction_name(p.eviction()),
         p.high_watermark_percent,
         p.low_watermark_percent,
         p.version
