@@ -41,7 +41,7 @@ COPY . .
 # or symbols in the image). k8s/image/build.sh runs the same cargo command
 # and k8s/check_drift.py checks that both carry these features.
 RUN cargo build --release --locked \
-      -p pagewire-node -p pagewire-coordinator -p pagewire-bench \
+      -p pagewire-node -p pagewire-coordinator -p pagewire-pwctl -p pagewire-bench \
       --features pagewire-coordinator/etcd,pagewire-node/verbs,pagewire-bench/verbs \
  && mkdir /out \
  && cp target/release/pagewire-coordinator target/release/pagewire-node \

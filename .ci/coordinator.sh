@@ -24,17 +24,17 @@ if ((${#missing[@]})); then
 fi
 
 echo "== build"
-cargo build --locked -p pagewire-coordinator --bins -p pagewire-node --bin pagewire-node
+cargo build --locked -p pagewire-coordinator --bins -p pagewire-pwctl -p pagewire-node --bin pagewire-node
 
 echo "== tests: proto, coordinator, end-to-end (pagewire-e2e), node daemon"
 if [[ ${PAGEWIRE_CI_TESTED:-0} == 1 ]]; then
   # .ci/run ran `cargo test --workspace` already, which holds these.
   echo "(run by .ci/run's workspace tests: skipped here)"
 elif cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator -p pagewire-e2e
+  cargo nextest run --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator -p pagewire-pwctl -p pagewire-e2e
   cargo nextest run --locked --no-fail-fast -p pagewire-node --lib daemon::
 else
-  cargo test --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator -p pagewire-e2e
+  cargo test --locked --no-fail-fast -p pagewire-proto -p pagewire-coordinator -p pagewire-pwctl -p pagewire-e2e
   cargo test --locked --no-fail-fast -p pagewire-node --lib daemon::
 fi
 

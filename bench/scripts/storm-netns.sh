@@ -311,7 +311,7 @@ if [[ $mode != storm ]]; then
     die "the self-check needs python3 >= 3.11 (tomllib)"
   fi
   for b in pagewire-coordinator pagewire-node pwctl; do
-    [[ -x $bin_dir/$b ]] || die "no $bin_dir/$b (cargo build --release -p pagewire-node -p pagewire-coordinator; or --bin-dir)"
+    [[ -x $bin_dir/$b ]] || die "no $bin_dir/$b (cargo build --release -p pagewire-node -p pagewire-coordinator -p pagewire-pwctl; or --bin-dir)"
   done
 else
   [[ -x $bench_bin ]] || die "no $bench_bin (build it, or --bench-bin)"

@@ -1,7 +1,5 @@
 //! The coordinator's errors, and their one conversion to `tonic::Status`.
 
-use pagewire_proto::v1::NodeState;
-
 use crate::persist::PersistError;
 use crate::store::StoreError;
 
@@ -117,17 +115,8 @@ pub fn quoted(s: &str) -> String {
 /// until the live lease holding the node id runs out.
 pub const LEASE_REMAINING_KEY: &str = "pagewire-lease-remaining-ms";
 
-/// Human name of a node state, as `pwctl` shows it.
-pub fn state_name(state: NodeState) -> &'static str {
-    match state {
-        NodeState::Unspecified => "unknown",
-        NodeState::Alive => "alive",
-        NodeState::Draining => "draining",
-        NodeState::Drained => "drained",
-        NodeState::Dead => "dead",
-        NodeState::Left => "left",
-    }
-}
+/// Human name of a node state (the contract's, shared with `pwctl`).
+pub use pagewire_proto::state_name;
 
 impl From<CoordError> for tonic::Status {
     fn from(e: CoordError) -> Self {

@@ -12,7 +12,8 @@
 //! through it.
 //!
 //! It depends on `pagewire-proto` only: never on the node, the transports or
-//! the bench. The `pwctl` admin CLI lives here too (`src/bin/pwctl/`).
+//! the bench. The `pwctl` admin CLI is its own crate (`pwctl/`), built on
+//! `pagewire-proto` and the client library, not on this one.
 
 pub mod cli;
 pub mod config;

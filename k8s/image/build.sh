@@ -66,7 +66,7 @@ if [ -z "$bin_dir" ]; then
   fi
   echo "build.sh: cargo build --release (features $features) into $target"
   (cd "$repo" && CARGO_TARGET_DIR=$target cargo build --release --locked \
-      -p pagewire-node -p pagewire-coordinator -p pagewire-bench \
+      -p pagewire-node -p pagewire-coordinator -p pagewire-pwctl -p pagewire-bench \
       --features "$features")
   bin_dir=$target/release
 fi

@@ -6,7 +6,8 @@
 //! pagewire endpoint shares: the cluster token carried on every call
 //! ([`auth`]), TLS-aware channels ([`net`]), finding the leading coordinator and failing
 //! over between several ([`leader`]), the cache policies by name and which
-//! of them the nodes implement ([`policy`]), the plain-HTTP Prometheus endpoint
+//! of them the nodes implement ([`policy`]), node states by name
+//! ([`state_name`]), the plain-HTTP Prometheus endpoint
 //! ([`metrics_http`], feature `server`), and the ownership map's shared code: weighted
 //! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]).
 //!
@@ -24,6 +25,20 @@ pub mod metrics_http;
 pub mod net;
 pub mod policy;
 pub mod rendezvous;
+
+/// Human name of a node state, as `pwctl`, the coordinator's messages and
+/// its metrics' `state` label show it.
+pub fn state_name(state: v1::NodeState) -> &'static str {
+    use v1::NodeState;
+    match state {
+        NodeState::Unspecified => "unknown",
+        NodeState::Alive => "alive",
+        NodeState::Draining => "draining",
+        NodeState::Drained => "drained",
+        NodeState::Dead => "dead",
+        NodeState::Left => "left",
+    }
+}
 
 /// Generated code of package `pagewire.v1`.
 #[allow(clippy::all, missing_docs)]

@@ -1,6 +1,8 @@
 //! `pwctl`: the pagewire admin CLI. Talks gRPC to the coordinator (and, for
 //! `stats`, to each node; for `read` and `write`, to the owners through the
-//! client library). Human tables by default, `--json` for machines.
+//! client library). Human tables by default, `--json` for machines. Built
+//! on `pagewire-proto` and `pagewire-client` only, never on the
+//! coordinator's server code.
 //!
 //! Exit status: 0 on success, 1 when the operation failed (coordinator
 //! unreachable, a node refused, ...), 2 on a usage or configuration error
@@ -21,13 +23,13 @@ use std::time::Duration;
 use anyhow::anyhow;
 use clap::{Parser, Subcommand};
 use pagewire_client::error_chain;
-use pagewire_coordinator::error::state_name;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::ClientTls;
 use pagewire_proto::policy::{
     ADMISSION, EVICTION, admission_name, eviction_name, names, one_of, parse_admission,
     parse_eviction,
 };
+use pagewire_proto::state_name;
 use pagewire_proto::v1::{
     ClusterRangeResponse, DrainRequest, GetMapRequest, ListNodesRequest, NodeInfo, NodeState,
     NodeStats, OwnershipMap, Policy, SetPolicyRequest, StatusRequest, Topology,

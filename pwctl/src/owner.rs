@@ -9,7 +9,7 @@
 //! them until the handoff completes).
 
 use pagewire_client::cluster::{read_owner, write_owner};
-use pagewire_coordinator::error::state_name;
+use pagewire_proto::state_name;
 use pagewire_proto::v1::{MapNode, OwnershipMap};
 use serde_json::{Value, json};
 

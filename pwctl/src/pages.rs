@@ -31,7 +31,7 @@ use pagewire_client::cluster::{
     ClientConfig, ClientError, ClusterClient, FollowerConfig, MapFollower, ReadInfo, ReadPath,
     Transport, TransportChoice, Via, write_owner,
 };
-use pagewire_coordinator::error::state_name;
+use pagewire_proto::state_name;
 use pagewire_proto::v1::{MapNode, OwnershipMap};
 use serde_json::{Value, json};
 

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use pagewire_coordinator::error::state_name;
 use pagewire_proto::net;
+use pagewire_proto::state_name;
 use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{NodeInfo, NodeState, NodeStats, StatsRequest};
 use serde_json::{Value, json};

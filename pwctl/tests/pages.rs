@@ -3,12 +3,13 @@
 //! self-describing file with a partial last page, and the real `pwctl`
 //! binary. Every byte pwctl reads is compared with the backing file.
 //!
-//! `pagewire-node` is another package's binary: `cargo test --workspace`
-//! builds it; with `-p pagewire-coordinator` alone, build it first with
-//! `cargo build -p pagewire-node`.
+//! `pagewire-coordinator` and `pagewire-node` are other packages' binaries:
+//! `cargo test --workspace` builds them; with `-p pagewire-pwctl` alone,
+//! build them first with `cargo build -p pagewire-coordinator -p
+//! pagewire-node` (same target directory).
 //!
 //! The file is written here in the brief's page format (a few lines below)
-//! rather than with `pagewire_node::pattern`: the coordinator then needs no
+//! rather than with `pagewire_node::pattern`: pwctl then needs no
 //! dev-dependency on the node crate, and the tests compare with the backing
 //! file's bytes anyway, so the pattern only has to make every page distinct.
 
@@ -38,25 +39,27 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn coordinator_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pagewire-coordinator"))
-}
-
 fn pwctl_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_pwctl"))
 }
 
-fn node_bin() -> PathBuf {
-    let p = coordinator_bin()
-        .parent()
-        .expect("binary dir")
-        .join("pagewire-node");
+/// Another package's binary `name`, next to pwctl.
+fn sibling_bin(name: &str) -> PathBuf {
+    let p = pwctl_bin().parent().expect("binary dir").join(name);
     assert!(
         p.exists(),
-        "{} is not built: run `cargo build -p pagewire-node` (cargo test --workspace builds it)",
+        "{} is not built: run `cargo build -p pagewire-coordinator -p pagewire-node` (cargo test --workspace builds it)",
         p.display()
     );
     p
+}
+
+fn coordinator_bin() -> PathBuf {
+    sibling_bin("pagewire-coordinator")
+}
+
+fn node_bin() -> PathBuf {
+    sibling_bin("pagewire-node")
 }
 
 fn free_port() -> u16 {
