@@ -9,12 +9,15 @@
 //! (bad flags, no token, a token file that cannot be read or is empty).
 //!
 //! Modules: `coord` (the `--coordinator` list and failover between
-//! coordinators), `status` (`pwctl status`), `diagnose` (what a wrong
-//! `--coordinator` address is), `stats` (the fan-out to the nodes), `range`
-//! (warm and evict in chunks, with progress), `owner` (`pwctl owner`: which
-//! node answers a page), `pages` (`pwctl read` and `pwctl write` through a
+//! coordinators), `diagnose` (what a wrong `--coordinator` address is), and
+//! one module per command, each with the command's `run` (or `drain` and
+//! `undrain`), called from `run`'s dispatch: `status`, `nodes`, `map`,
+//! `range` (warm and evict in chunks, with progress), `drain`, `stats` (the
+//! fan-out to the nodes), `topology`, `owner` (which node answers a page),
+//! `policy`, and `pages` (`pwctl read` and `pwctl write` through a
 //! `pagewire_client::ClusterClient`, run outside pwctl's own runtime since
-//! that client blocks on its own).
+//! that client blocks on its own). Here: the command line, the token, the
+//! dispatch, and what several commands share (sizes, tables, JSON out).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,16 +28,9 @@ use clap::{Parser, Subcommand};
 use pagewire_client::error_chain;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::ClientTls;
-use pagewire_proto::policy::{
-    ADMISSION, EVICTION, admission_name, eviction_name, names, one_of, parse_admission,
-    parse_eviction,
-};
-use pagewire_proto::state_name;
-use pagewire_proto::v1::{
-    ClusterRangeResponse, DrainRequest, GetMapRequest, ListNodesRequest, NodeInfo, NodeState,
-    NodeStats, OwnershipMap, Policy, SetPolicyRequest, StatusRequest, Topology,
-};
-use serde_json::{Value, json};
+use pagewire_proto::policy::{ADMISSION, EVICTION, admission_name, eviction_name, names};
+use pagewire_proto::v1::{GetMapRequest, ListNodesRequest, NodeInfo, OwnershipMap};
+use serde_json::Value;
 
 /// Writes to stdout; a closed pipe (`pwctl ... | head`) ends pwctl quietly
 /// instead of panicking as `print!` would.
@@ -61,11 +57,16 @@ macro_rules! outln {
 
 mod coord;
 mod diagnose;
+mod drain;
+mod map;
+mod nodes;
 mod owner;
 mod pages;
+mod policy;
 mod range;
 mod stats;
 mod status;
+mod topology;
 
 use coord::Coord;
 use diagnose::CallFailed;
@@ -391,32 +392,12 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             eviction,
             high_watermark,
             low_watermark,
-        } => {
-            let a = admission
-                .as_deref()
-                .map(|a| {
-                    parse_admission(a).ok_or_else(|| {
-                        Usage(format!(
-                            "bad --admission {a:?}: expected {}",
-                            one_of(ADMISSION, admission_name)
-                        ))
-                    })
-                })
-                .transpose()?;
-            let e = eviction
-                .as_deref()
-                .map(|e| {
-                    parse_eviction(e).ok_or_else(|| {
-                        Usage(format!(
-                            "bad --eviction {e:?}: expected {}",
-                            one_of(EVICTION, eviction_name)
-                        ))
-                    })
-                })
-                .transpose()?;
-            (a.is_some() || e.is_some() || high_watermark.is_some() || low_watermark.is_some())
-                .then_some((a, e, *high_watermark, *low_watermark))
-        }
+        } => policy::Change::parse(
+            admission.as_deref(),
+            eviction.as_deref(),
+            *high_watermark,
+            *low_watermark,
+        )?,
         _ => None,
     };
     let mut c = Coord::new(
@@ -425,287 +406,30 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         ctx.tls.clone(),
         ctx.timeout,
     )?;
+    let c = &mut c;
     match &cli.cmd {
-        Cmd::Status => {
-            let (s, answered) = c
-                .call_at("status", |mut c| async move {
-                    c.status(req(ctx, StatusRequest {})).await
-                })
-                .await?;
-            status::print(&s, &answered, ctx.json);
-            Ok(true)
-        }
-        Cmd::Nodes => {
-            let nodes = list_nodes(&mut c, ctx).await?;
-            if ctx.json {
-                print_json(&Value::Array(nodes.iter().map(node_json).collect()));
-            } else {
-                let rows = nodes
-                    .iter()
-                    .map(|n| {
-                        vec![
-                            n.node_id.clone(),
-                            n.index.to_string(),
-                            state_name(n.state()).into(),
-                            n.grpc_address.clone(),
-                            human_bytes(n.capacity_bytes),
-                            n.extents_owned.to_string(),
-                            if n.lease_remaining_ms > 0 {
-                                human_ms(n.lease_remaining_ms)
-                            } else {
-                                "-".into()
-                            },
-                            n.applied_epoch.to_string(),
-                            n.transports
-                                .iter()
-                                .map(|t| t.kind.clone())
-                                .collect::<Vec<_>>()
-                                .join(","),
-                        ]
-                    })
-                    .collect::<Vec<_>>();
-                out!(
-                    "{}",
-                    table(
-                        &[
-                            "NODE",
-                            "INDEX",
-                            "STATE",
-                            "ADDRESS",
-                            "CAPACITY",
-                            "EXTENTS",
-                            "LEASE LEFT",
-                            "APPLIED EPOCH",
-                            "TRANSPORTS"
-                        ],
-                        &rows
-                    )
-                );
-            }
-            Ok(true)
-        }
-        Cmd::Map { extents } => {
-            let map = get_map(&mut c, ctx).await?;
-            let nodes = list_nodes(&mut c, ctx).await?;
-            print_map(&map, &nodes, *extents, ctx.json);
-            Ok(true)
-        }
-        Cmd::Warm { .. } | Cmd::Evict { .. } => {
-            let (offset, length) = range.unwrap_or((0, u64::MAX));
-            let op = if matches!(cli.cmd, Cmd::Warm { .. }) {
-                range::Op::Warm
-            } else {
-                range::Op::Evict
-            };
-            let resp = range::run(&mut c, ctx, op, offset, length).await?;
-            Ok(print_range_result(op.name(), &resp, ctx.json))
-        }
+        Cmd::Status => status::run(c, ctx).await,
+        Cmd::Nodes => nodes::run(c, ctx).await,
+        Cmd::Map { extents } => map::run(c, ctx, *extents).await,
+        Cmd::Warm { .. } => range::warm_or_evict(c, ctx, range::Op::Warm, range).await,
+        Cmd::Evict { .. } => range::warm_or_evict(c, ctx, range::Op::Evict, range).await,
         Cmd::Drain {
             node,
             wait,
             until_restart,
-        } => {
-            let incarnation = if *until_restart {
-                let nodes = list_nodes(&mut c, ctx).await?;
-                match nodes.iter().find(|n| &n.node_id == node) {
-                    Some(n) if n.incarnation != 0 => n.incarnation,
-                    _ => {
-                        eprintln!("pwctl: {node} is not a registered node");
-                        return Ok(false);
-                    }
-                }
-            } else {
-                0
-            };
-            let r = DrainRequest {
-                node_id: node.clone(),
-                incarnation,
-            };
-            let r = c
-                .call("drain", |mut c| {
-                    let r = r.clone();
-                    async move { c.drain(req(ctx, r)).await }
-                })
-                .await?;
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(*wait);
-            let mut state = NodeState::Draining;
-            while *wait > 0 && state == NodeState::Draining {
-                let nodes = list_nodes(&mut c, ctx).await?;
-                state = nodes
-                    .iter()
-                    .find(|n| &n.node_id == node)
-                    .map_or(NodeState::Unspecified, NodeInfo::state);
-                if tokio::time::Instant::now() >= deadline {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            if ctx.json {
-                print_json(
-                    &json!({"node": node, "epoch": r.map_epoch, "extents_moved": r.extents_moved, "state": state_name(state)}),
-                );
-            } else {
-                outln!(
-                    "draining {node}: {} extents move away (epoch {})",
-                    r.extents_moved,
-                    r.map_epoch
-                );
-                if *wait > 0 {
-                    outln!("{node} is {}", state_name(state));
-                }
-            }
-            let done = *wait == 0 || state == NodeState::Drained;
-            if !done {
-                let map = get_map(&mut c, ctx).await?;
-                let nodes = list_nodes(&mut c, ctx).await?;
-                eprintln!(
-                    "pwctl: gave up after {wait} s: {}",
-                    drain_blocker(&map, &nodes, node, state)
-                );
-            }
-            Ok(done)
-        }
-        Cmd::Undrain { node } => {
-            let r = DrainRequest {
-                node_id: node.clone(),
-                incarnation: 0,
-            };
-            let r = c
-                .call("undrain", |mut c| {
-                    let r = r.clone();
-                    async move { c.undrain(req(ctx, r)).await }
-                })
-                .await?;
-            if ctx.json {
-                print_json(&json!({"node": node, "epoch": r.map_epoch}));
-            } else {
-                outln!("{node} takes its share again (epoch {})", r.map_epoch);
-            }
-            Ok(true)
-        }
+        } => drain::drain(c, ctx, node, *wait, *until_restart).await,
+        Cmd::Undrain { node } => drain::undrain(c, ctx, node).await,
         Cmd::Stats {
             watch,
             node_timeout_ms,
-        } => loop {
-            let nodes = list_nodes(&mut c, ctx).await?;
-            let per_node = Duration::from_millis((*node_timeout_ms).max(1));
-            let rows = stats::collect(&nodes, ctx, per_node).await;
-            // Clear the screen between refreshes only on a terminal: a
-            // file or a pipe gets the tables one after another.
-            if watch.is_some() && !ctx.json && std::io::IsTerminal::is_terminal(&std::io::stdout())
-            {
-                out!("\x1b[2J\x1b[H");
-            }
-            stats::print(&rows, ctx.json, watch.is_some());
-            match watch {
-                Some(secs) => tokio::time::sleep(Duration::from_secs((*secs).max(1))).await,
-                None => return Ok(true),
-            }
-        },
-        Cmd::Topology => {
-            let nodes = list_nodes(&mut c, ctx).await?;
-            print_topology(&nodes, ctx.json);
-            Ok(true)
-        }
-        Cmd::Owner { .. } => {
-            let map = get_map(&mut c, ctx).await?;
-            let target = owner_target.expect("parsed above");
-            owner::locate(&map, target)?.print(ctx.json);
-            Ok(true)
-        }
+        } => stats::run(c, ctx, *watch, *node_timeout_ms).await,
+        Cmd::Topology => topology::run(c, ctx).await,
+        Cmd::Owner { .. } => owner::run(c, ctx, owner_target.expect("parsed above")).await,
         Cmd::Read { .. } | Cmd::Write { .. } => {
             unreachable!("main runs read and write outside the runtime")
         }
-        Cmd::Policy { .. } => {
-            let current = c
-                .call("status", |mut c| async move {
-                    c.status(req(ctx, StatusRequest {})).await
-                })
-                .await?
-                .policy
-                .unwrap_or_default();
-            let p = if let Some((a, e, hi, lo)) = policy_change {
-                let mut p = current;
-                if let Some(a) = a {
-                    p.set_admission(a);
-                }
-                if let Some(e) = e {
-                    p.set_eviction(e);
-                }
-                if let Some(hi) = hi {
-                    p.high_watermark_percent = hi;
-                }
-                if let Some(lo) = lo {
-                    p.low_watermark_percent = lo;
-                }
-                let r = SetPolicyRequest { policy: Some(p) };
-                c.call(
-                    "policy",
-                    |mut c| async move { c.set_policy(req(ctx, r)).await },
-                )
-                .await?
-                .policy
-                .unwrap_or_default()
-            } else {
-                current
-            };
-            if ctx.json {
-                print_json(&policy_json(&p));
-            } else {
-                outln!("{}", policy_text(&p));
-            }
-            Ok(true)
-        }
+        Cmd::Policy { .. } => policy::run(c, ctx, policy_change).await,
     }
-}
-
-/// Why `node` is not drained yet, in words: what it still owns or hands
-/// off, and which nodes have not applied the epoch that would finish it.
-fn drain_blocker(map: &OwnershipMap, nodes: &[NodeInfo], node: &str, state: NodeState) -> String {
-    let Some(me) = nodes.iter().find(|n| n.node_id == node) else {
-        return format!("{node} is no longer a member");
-    };
-    if state != NodeState::Draining {
-        return format!("{node} is {}, not draining", state_name(state));
-    }
-    let owned = map.owner.iter().filter(|&&o| o == me.index).count();
-    let handing: Vec<usize> = (0..map.previous_owner.len())
-        .filter(|&i| map.previous_owner[i] == me.index)
-        .collect();
-    let mut waiting: Vec<String> = handing
-        .iter()
-        .filter_map(|&i| map.owner.get(i))
-        .chain(std::iter::once(&me.index))
-        .filter_map(|&idx| nodes.iter().find(|n| n.index == idx))
-        .filter(|n| n.applied_epoch < map.epoch)
-        .map(|n| {
-            format!(
-                "{} ({}, applied epoch {})",
-                n.node_id,
-                state_name(n.state()),
-                n.applied_epoch
-            )
-        })
-        .collect();
-    waiting.sort();
-    waiting.dedup();
-    let mut why = format!(
-        "{node} is still draining at epoch {}: it owns {owned} extents and hands off {}",
-        map.epoch,
-        handing.len()
-    );
-    if owned > 0 {
-        why.push_str("; no alive node takes them (start or undrain one)");
-    }
-    if !waiting.is_empty() {
-        why.push_str(&format!(
-            "; the handoff waits for {} to apply epoch {} (a frozen or partitioned node \
-             holds it until its lease runs out)",
-            waiting.join(", "),
-            map.epoch
-        ));
-    }
-    why
 }
 
 async fn list_nodes(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<Vec<NodeInfo>> {
@@ -850,298 +574,6 @@ fn print_json(v: &Value) {
     outln!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
-fn policy_json(p: &Policy) -> Value {
-    json!({
-        "version": p.version,
-        "admission": admission_name(p.admission()),
-        "eviction": eviction_name(p.eviction()),
-        "high_watermark_percent": p.high_watermark_percent,
-        "low_watermark_percent": p.low_watermark_percent,
-    })
-}
-
-fn policy_text(p: &Policy) -> String {
-    format!(
-        "admission {}, eviction {}, watermarks {}%/{}% (version {})",
-        admission_name(p.admission()),
-        eviction_name(p.eviction()),
-        p.high_watermark_percent,
-        p.low_watermark_percent,
-        p.version
-    )
-}
-
-fn topology_json(t: &Topology) -> Value {
-    json!({
-        "source": t.source,
-        "hostname": t.hostname,
-        "numa_nodes": t.numa_nodes.iter().map(|n| json!({
-            "os_index": n.os_index, "memory_bytes": n.memory_bytes, "cpus": n.cpus,
-        })).collect::<Vec<_>>(),
-    })
-}
-
-fn stats_json(s: &NodeStats) -> Value {
-    json!({
-        "hits": s.hits, "misses": s.misses, "faults": s.faults, "evictions": s.evictions,
-        "retries": s.retries, "bytes_served": s.bytes_served, "writes": s.writes,
-        "pages_resident": s.pages_resident, "capacity_pages": s.capacity_pages,
-        "extents_owned": s.extents_owned, "stale_map_rejections": s.stale_map_rejections,
-        "remote_pages": s.remote_pages, "remote_one_sided": s.remote_one_sided,
-        "remote_fallbacks": s.remote_fallbacks, "remote_round_trips": s.remote_round_trips,
-        "remote_retries": s.remote_retries,
-        "remote_validation_failures": s.remote_validation_failures,
-        "verbs_queue_pairs": s.verbs_queue_pairs, "verbs_refused": s.verbs_refused,
-    })
-}
-
-fn node_json(n: &NodeInfo) -> Value {
-    json!({
-        "node_id": n.node_id, "index": n.index, "state": state_name(n.state()),
-        "grpc_address": n.grpc_address, "metrics_address": n.metrics_address,
-        "capacity_bytes": n.capacity_bytes, "extents_owned": n.extents_owned,
-        "lease_remaining_ms": n.lease_remaining_ms, "applied_epoch": n.applied_epoch,
-        "incarnation": n.incarnation,
-        "topology": n.topology.as_ref().map(topology_json),
-        "transports": n.transports.iter().map(|t| json!({
-            "kind": t.kind, "endpoint": t.endpoint, "address": t.address, "length": t.length,
-            "rkey": t.rkey, "epoch": t.epoch,
-        })).collect::<Vec<_>>(),
-    })
-}
-
-fn print_map(map: &OwnershipMap, nodes: &[NodeInfo], extents: bool, as_json: bool) {
-    let total = map.owner.len() as u64;
-    let weight_total: u64 = nodes
-        .iter()
-        .filter(|n| n.state() == NodeState::Alive)
-        .map(|n| n.capacity_bytes)
-        .sum();
-    let mut max_dev: f64 = 0.0;
-    let mut rows = Vec::new();
-    let mut per_node = Vec::new();
-    for n in nodes {
-        let owned = map.owner.iter().filter(|&&o| o == n.index).count() as u64;
-        let handing = map.previous_owner.iter().filter(|&&p| p == n.index).count() as u64;
-        let weight = if n.state() == NodeState::Alive && weight_total > 0 {
-            n.capacity_bytes as f64 / weight_total as f64
-        } else {
-            0.0
-        };
-        let share = if total > 0 {
-            owned as f64 / total as f64
-        } else {
-            0.0
-        };
-        let dev = (weight > 0.0).then(|| (share - weight) / weight * 100.0);
-        if let Some(d) = dev {
-            max_dev = max_dev.max(d.abs());
-        }
-        rows.push(vec![
-            n.node_id.clone(),
-            n.index.to_string(),
-            state_name(n.state()).into(),
-            human_bytes(n.capacity_bytes),
-            format!("{:.1}%", weight * 100.0),
-            owned.to_string(),
-            format!("{:.1}%", share * 100.0),
-            dev.map_or("-".into(), |d| format!("{d:+.1}%")),
-            handing.to_string(),
-        ]);
-        per_node.push(json!({
-            "node_id": n.node_id, "index": n.index, "state": state_name(n.state()),
-            "capacity_bytes": n.capacity_bytes, "weight": weight, "extents": owned,
-            "share": share, "deviation_percent": dev, "handing_off": handing,
-        }));
-    }
-    let runs = extent_runs(map, nodes);
-    if as_json {
-        let mut v = json!({
-            "epoch": map.epoch, "file_size": map.file_size, "extent_size": map.extent_size,
-            "page_size": map.page_size, "extents": total,
-            "unowned": map.owner.iter().filter(|&&o| o == 0).count(),
-            "in_handoff": map.previous_owner.iter().filter(|&&p| p != 0).count(),
-            "max_deviation_percent": max_dev, "nodes": per_node,
-        });
-        if extents {
-            v["runs"] = Value::Array(
-                runs.iter()
-                    .map(|(a, b, n)| json!({"first": a, "last": b, "node": n}))
-                    .collect(),
-            );
-        }
-        print_json(&v);
-        return;
-    }
-    outln!(
-        "epoch {}  {} extents of {}  file {}  in handoff {}  unowned {}",
-        map.epoch,
-        total,
-        human_bytes(map.extent_size),
-        human_bytes(map.file_size),
-        map.previous_owner.iter().filter(|&&p| p != 0).count(),
-        map.owner.iter().filter(|&&o| o == 0).count()
-    );
-    out!(
-        "{}",
-        table(
-            &[
-                "NODE",
-                "INDEX",
-                "STATE",
-                "CAPACITY",
-                "WEIGHT",
-                "EXTENTS",
-                "SHARE",
-                "DEVIATION",
-                "HANDING OFF"
-            ],
-            &rows
-        )
-    );
-    outln!("balance: largest deviation from capacity weight {max_dev:.1}%");
-    if extents {
-        let rows: Vec<Vec<String>> = runs
-            .iter()
-            .map(|(a, b, n)| {
-                vec![
-                    if a == b {
-                        a.to_string()
-                    } else {
-                        format!("{a}-{b}")
-                    },
-                    n.clone(),
-                ]
-            })
-            .collect();
-        out!("{}", table(&["EXTENTS", "OWNER"], &rows));
-    }
-}
-
-fn extent_runs(map: &OwnershipMap, nodes: &[NodeInfo]) -> Vec<(u64, u64, String)> {
-    let name = |i: u32| {
-        nodes.iter().find(|n| n.index == i).map_or_else(
-            || {
-                if i == 0 {
-                    "-".to_owned()
-                } else {
-                    format!("#{i}")
-                }
-            },
-            |n| n.node_id.clone(),
-        )
-    };
-    let mut runs: Vec<(u64, u64, String)> = Vec::new();
-    let mut last = None;
-    for (e, &o) in map.owner.iter().enumerate() {
-        let e = e as u64;
-        match (last, runs.last_mut()) {
-            (Some(l), Some(r)) if l == o => r.1 = e,
-            _ => runs.push((e, e, name(o))),
-        }
-        last = Some(o);
-    }
-    runs
-}
-
-fn print_range_result(what: &str, r: &ClusterRangeResponse, as_json: bool) -> bool {
-    let ok = r.results.iter().all(|n| n.error.is_empty());
-    if as_json {
-        print_json(&json!({
-            "operation": what, "epoch": r.map_epoch, "ok": ok,
-            "nodes": r.results.iter().map(|n| json!({"node_id": n.node_id, "pages": n.pages, "error": n.error})).collect::<Vec<_>>(),
-        }));
-    } else {
-        let rows: Vec<Vec<String>> = r
-            .results
-            .iter()
-            .map(|n| {
-                vec![
-                    if n.node_id.is_empty() {
-                        "-".into()
-                    } else {
-                        n.node_id.clone()
-                    },
-                    n.pages.to_string(),
-                    if n.error.is_empty() {
-                        "ok".into()
-                    } else {
-                        n.error.clone()
-                    },
-                ]
-            })
-            .collect();
-        outln!("{what} at epoch {}", r.map_epoch);
-        out!("{}", table(&["NODE", "PAGES", "RESULT"], &rows));
-    }
-    if !ok {
-        eprintln!("pwctl: {what} failed on some nodes");
-    }
-    ok
-}
-
-fn cpu_list(cpus: &[u32]) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < cpus.len() {
-        let mut j = i;
-        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j {
-            cpus[i].to_string()
-        } else {
-            format!("{}-{}", cpus[i], cpus[j])
-        });
-        i = j + 1;
-    }
-    parts.join(",")
-}
-
-fn print_topology(nodes: &[NodeInfo], as_json: bool) {
-    if as_json {
-        print_json(&Value::Array(
-            nodes
-                .iter()
-                .map(|n| json!({"node_id": n.node_id, "topology": n.topology.as_ref().map(topology_json)}))
-                .collect(),
-        ));
-        return;
-    }
-    let mut rows = Vec::new();
-    for n in nodes {
-        let t = n.topology.clone().unwrap_or_default();
-        if t.numa_nodes.is_empty() {
-            rows.push(vec![
-                n.node_id.clone(),
-                t.hostname.clone(),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                t.source.clone(),
-            ]);
-        }
-        for numa in &t.numa_nodes {
-            rows.push(vec![
-                n.node_id.clone(),
-                t.hostname.clone(),
-                numa.os_index.to_string(),
-                cpu_list(&numa.cpus),
-                if numa.memory_bytes > 0 {
-                    human_bytes(numa.memory_bytes)
-                } else {
-                    "?".into()
-                },
-                t.source.clone(),
-            ]);
-        }
-    }
-    out!(
-        "{}",
-        table(&["NODE", "HOST", "NUMA", "CPUS", "MEMORY", "SOURCE"], &rows)
-    );
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1158,39 +590,6 @@ mod tests {
         assert_eq!(parse_range("all").unwrap(), (0, u64::MAX));
         assert!(parse_range("3M..1M").is_err());
         assert!(parse_range("5").is_err());
-    }
-
-    #[test]
-    fn cpu_lists_compress() {
-        assert_eq!(cpu_list(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
-    }
-
-    #[test]
-    fn a_stuck_drain_says_what_it_waits_for() {
-        let node = |id: &str, index, state: NodeState, applied| {
-            let mut n = NodeInfo {
-                node_id: id.into(),
-                index,
-                applied_epoch: applied,
-                ..Default::default()
-            };
-            n.set_state(state);
-            n
-        };
-        let nodes = vec![
-            node("a", 1, NodeState::Draining, 7),
-            node("b", 2, NodeState::Alive, 6),
-        ];
-        let map = OwnershipMap {
-            epoch: 7,
-            owner: vec![2, 2],
-            previous_owner: vec![1, 0],
-            ..Default::default()
-        };
-        let why = drain_blocker(&map, &nodes, "a", NodeState::Draining);
-        assert!(why.contains("hands off 1"), "{why}");
-        assert!(why.contains("b (alive, applied epoch 6)"), "{why}");
-        assert!(!why.contains("a ("), "{why}");
     }
 
     #[test]

@@ -13,7 +13,14 @@ use pagewire_proto::state_name;
 use pagewire_proto::v1::{MapNode, OwnershipMap};
 use serde_json::{Value, json};
 
-use super::{Usage, human_bytes, parse_count, parse_size, print_json, table};
+use super::{Coord, Ctx, Usage, get_map, human_bytes, parse_count, parse_size, print_json, table};
+
+/// `pwctl owner WHERE` (`target` parsed).
+pub(crate) async fn run(c: &mut Coord, ctx: &Ctx, target: Target) -> anyhow::Result<bool> {
+    let map = get_map(c, ctx).await?;
+    locate(&map, target)?.print(ctx.json);
+    Ok(true)
+}
 
 /// What `owner` was asked about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,7 +11,9 @@ use pagewire_proto::v1::{
     ByteRange, ClusterRangeRequest, ClusterRangeResponse, NodeRangeResult, NodeState, StatusRequest,
 };
 
-use super::{Coord, Ctx, human_bytes, list_nodes, req};
+use serde_json::json;
+
+use super::{Coord, Ctx, human_bytes, list_nodes, print_json, req, table};
 
 /// Bytes asked of the coordinator per call (rounded to whole extents).
 const CHUNK: u64 = 1 << 30;
@@ -100,6 +102,19 @@ async fn send(
         }
     })
     .await
+}
+
+/// `pwctl warm RANGE` and `pwctl evict RANGE` (`range` parsed, `None`:
+/// the whole file).
+pub(crate) async fn warm_or_evict(
+    c: &mut Coord,
+    ctx: &Ctx,
+    op: Op,
+    range: Option<(u64, u64)>,
+) -> anyhow::Result<bool> {
+    let (offset, length) = range.unwrap_or((0, u64::MAX));
+    let resp = run(c, ctx, op, offset, length).await?;
+    Ok(print_range_result(op.name(), &resp, ctx.json))
 }
 
 pub(crate) async fn run(
@@ -195,6 +210,42 @@ pub(crate) async fn run(
         map_epoch: epoch,
         results: total.into_values().collect(),
     })
+}
+
+fn print_range_result(what: &str, r: &ClusterRangeResponse, as_json: bool) -> bool {
+    let ok = r.results.iter().all(|n| n.error.is_empty());
+    if as_json {
+        print_json(&json!({
+            "operation": what, "epoch": r.map_epoch, "ok": ok,
+            "nodes": r.results.iter().map(|n| json!({"node_id": n.node_id, "pages": n.pages, "error": n.error})).collect::<Vec<_>>(),
+        }));
+    } else {
+        let rows: Vec<Vec<String>> = r
+            .results
+            .iter()
+            .map(|n| {
+                vec![
+                    if n.node_id.is_empty() {
+                        "-".into()
+                    } else {
+                        n.node_id.clone()
+                    },
+                    n.pages.to_string(),
+                    if n.error.is_empty() {
+                        "ok".into()
+                    } else {
+                        n.error.clone()
+                    },
+                ]
+            })
+            .collect();
+        outln!("{what} at epoch {}", r.map_epoch);
+        out!("{}", table(&["NODE", "PAGES", "RESULT"], &rows));
+    }
+    if !ok {
+        eprintln!("pwctl: {what} failed on some nodes");
+    }
+    ok
 }
 
 #[cfg(test)]

@@ -12,7 +12,32 @@ use pagewire_proto::v1::node_client::NodeClient;
 use pagewire_proto::v1::{NodeInfo, NodeState, NodeStats, StatsRequest};
 use serde_json::{Value, json};
 
-use super::{Ctx, error_chain, human_bytes, stats_json, table};
+use super::{Coord, Ctx, error_chain, human_bytes, list_nodes, table};
+
+/// `pwctl stats [--watch SECS] [--node-timeout-ms MS]`: once, or every
+/// `watch` seconds until interrupted.
+pub(crate) async fn run(
+    c: &mut Coord,
+    ctx: &Ctx,
+    watch: Option<u64>,
+    node_timeout_ms: u64,
+) -> anyhow::Result<bool> {
+    loop {
+        let nodes = list_nodes(c, ctx).await?;
+        let per_node = Duration::from_millis(node_timeout_ms.max(1));
+        let rows = collect(&nodes, ctx, per_node).await;
+        // Clear the screen between refreshes only on a terminal: a
+        // file or a pipe gets the tables one after another.
+        if watch.is_some() && !ctx.json && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+            out!("\x1b[2J\x1b[H");
+        }
+        print(&rows, ctx.json, watch.is_some());
+        match watch {
+            Some(secs) => tokio::time::sleep(Duration::from_secs(secs.max(1))).await,
+            None => return Ok(true),
+        }
+    }
+}
 
 pub(crate) struct Row {
     node: String,
@@ -182,4 +207,17 @@ pub(crate) fn print(rows: &[Row], as_json: bool, lines: bool) {
             &t
         )
     );
+}
+pub(crate) fn stats_json(s: &NodeStats) -> Value {
+    json!({
+        "hits": s.hits, "misses": s.misses, "faults": s.faults, "evictions": s.evictions,
+        "retries": s.retries, "bytes_served": s.bytes_served, "writes": s.writes,
+        "pages_resident": s.pages_resident, "capacity_pages": s.capacity_pages,
+        "extents_owned": s.extents_owned, "stale_map_rejections": s.stale_map_rejections,
+        "remote_pages": s.remote_pages, "remote_one_sided": s.remote_one_sided,
+        "remote_fallbacks": s.remote_fallbacks, "remote_round_trips": s.remote_round_trips,
+        "remote_retries": s.remote_retries,
+        "remote_validation_failures": s.remote_validation_failures,
+        "verbs_queue_pairs": s.verbs_queue_pairs, "verbs_refused": s.verbs_refused,
+    })
 }

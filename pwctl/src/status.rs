@@ -3,10 +3,22 @@
 //! there is none), every coordinator with its role, and what is wrong with
 //! the store when something is.
 
-use pagewire_proto::v1::{CoordinatorRole, StatusResponse};
+use pagewire_proto::v1::{CoordinatorRole, StatusRequest, StatusResponse};
 use serde_json::{Value, json};
 
-use super::{human_bytes, human_ms, policy_json, policy_text, print_json, table};
+use super::policy::{policy_json, policy_text};
+use super::{Coord, Ctx, human_bytes, human_ms, print_json, req, table};
+
+/// `pwctl status`.
+pub(crate) async fn run(c: &mut Coord, ctx: &Ctx) -> anyhow::Result<bool> {
+    let (s, answered) = c
+        .call_at("status", |mut c| async move {
+            c.status(req(ctx, StatusRequest {})).await
+        })
+        .await?;
+    print(&s, &answered, ctx.json);
+    Ok(true)
+}
 
 /// A role in words.
 pub(crate) fn role_name(r: CoordinatorRole) -> &'static str {
