@@ -16,7 +16,7 @@ use pagewire_proto::v1::{
     ReadRequest, RegisterRequest, StatsRequest, StatusRequest, WriteRequest,
 };
 use pagewire_testkit::process::Proc;
-use pagewire_testkit::{free_port, rt};
+use pagewire_testkit::rt;
 use serde_json::Value;
 
 const TOKEN: &str = "test-cluster-token";

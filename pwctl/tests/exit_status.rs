@@ -2,21 +2,15 @@
 //! is not there (exit 1, said in words), a bad flag or RANGE (exit 2,
 //! before any network).
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Command;
+
+use pagewire_testkit::free_port;
 
 const TOKEN: &str = "test-cluster-token";
 
 fn pwctl_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_pwctl"))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
 }
 
 #[test]

@@ -1,27 +1,18 @@
 //! `pwctl owner`, `pwctl read` and `pwctl write` against real processes on
 //! loopback: a coordinator and two `pagewire-node` daemons over a
 //! self-describing file with a partial last page, and the real `pwctl`
-//! binary. Every byte pwctl reads is compared with the backing file.
-//!
-//! `pagewire-coordinator` and `pagewire-node` are other packages' binaries:
-//! `cargo test --workspace` builds them; with `-p pagewire-pwctl` alone,
-//! build them first with `cargo build -p pagewire-coordinator -p
-//! pagewire-node` (same target directory).
-//!
-//! The file is written here in the brief's page format (a few lines below)
-//! rather than with `pagewire_node::pattern`: pwctl then needs no
-//! dev-dependency on the node crate, and the tests compare with the backing
-//! file's bytes anyway, so the pattern only has to make every page distinct.
+//! binary (this package builds all three). Every byte pwctl reads is
+//! compared with the backing file.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use std::ops::Deref;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
 
-use pagewire_proto::auth::AttachToken;
-use pagewire_proto::v1::coordinator_client::CoordinatorClient;
-use pagewire_proto::v1::{GetMapRequest, ListNodesRequest, NodeInfo, NodeState, OwnershipMap};
+use common::pwctl_bin;
+use pagewire_proto::v1::OwnershipMap;
 use serde_json::Value;
 
 const TOKEN: &str = "pwctl-pages-token";
@@ -39,52 +30,11 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn pwctl_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_pwctl"))
-}
-
-/// Another package's binary `name`, next to pwctl.
-fn sibling_bin(name: &str) -> PathBuf {
-    let p = pwctl_bin().parent().expect("binary dir").join(name);
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build -p pagewire-coordinator -p pagewire-node` (cargo test --workspace builds it)",
-        p.display()
-    );
-    p
-}
-
-fn coordinator_bin() -> PathBuf {
-    sibling_bin("pagewire-coordinator")
-}
-
-fn node_bin() -> PathBuf {
-    sibling_bin("pagewire-node")
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
-}
-
-/// The page format of the brief: page number and generation (u64 LE), then
-/// SplitMix64 seeded with `page * GOLDEN ^ generation`, each u64 LE.
+/// Page `page` of generation `generation` in the self-describing format,
+/// `len` bytes long.
 fn pattern(page: u64, generation: u64, len: usize) -> Vec<u8> {
-    const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut state = page.wrapping_mul(GOLDEN) ^ generation;
-    let mut v = Vec::with_capacity(len + 8);
-    v.extend_from_slice(&page.to_le_bytes());
-    v.extend_from_slice(&generation.to_le_bytes());
-    while v.len() < len {
-        state = state.wrapping_add(GOLDEN);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        v.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    v.truncate(len);
+    let mut v = vec![0; len];
+    pagewire_node::pattern::fill(page, generation, &mut v);
     v
 }
 
@@ -92,161 +42,44 @@ fn page_len(page: u64) -> usize {
     (FILE_LEN - page * PS).min(PS) as usize
 }
 
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
+/// The kit's loopback cluster (a coordinator, nodes n1 and n2), driven by
+/// `pwctl`.
+struct Cluster(pagewire_testkit::cluster::Cluster);
 
-struct Cluster {
-    dir: tempfile::TempDir,
-    port: u16,
-    procs: Vec<Proc>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let panicking = std::thread::panicking();
-        for p in &mut self.procs {
-            let _ = p.child.kill();
-            let _ = p.child.wait();
-            if panicking {
-                let log = std::fs::read_to_string(&p.log).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(12).collect();
-                eprintln!("--- last lines of {} ---", p.name);
-                for l in tail.iter().rev() {
-                    eprintln!("{l}");
-                }
-            }
-        }
+impl Deref for Cluster {
+    type Target = pagewire_testkit::cluster::Cluster;
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 impl Cluster {
     /// A coordinator and nodes n1 and n2, settled (both own extents, no
-    /// handoff, both applied the epoch).
+    /// handoff, both applied the epoch, the map covers the whole file).
     fn start() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join("token"), TOKEN).expect("token file");
+        let mut c =
+            pagewire_testkit::cluster::Cluster::new(common::daemons(), TOKEN, 3000, EXTENT, "data");
         let data: Vec<u8> = (0..PAGES)
             .flat_map(|p| pattern(p, 0, page_len(p)))
             .collect();
-        std::fs::write(dir.path().join("data"), &data).expect("data file");
-        let mut c = Cluster {
-            dir,
-            port: free_port(),
-            procs: Vec::new(),
-        };
-        let log = c.path("coordinator.log");
-        let child = Command::new(coordinator_bin())
-            .arg("--listen")
-            .arg(c.addr())
-            .args(["--metrics-listen", "127.0.0.1:0"])
-            .arg("--state-file")
-            .arg(c.path("coordinator.state"))
-            .arg("--token-file")
-            .arg(c.path("token"))
-            .args(["--lease-ms", "3000"])
-            .arg("--extent-size")
-            .arg(EXTENT.to_string())
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log"))
-            .spawn()
-            .expect("spawn coordinator");
-        c.procs.push(Proc {
-            name: "coordinator".into(),
-            child,
-            log,
-        });
+        std::fs::write(&c.backing, &data).expect("data file");
+        c.start_coordinator();
         for id in ["n1", "n2"] {
-            let log = c.path(&format!("{id}.log"));
-            let child = Command::new(node_bin())
-                .args(["--node-id", id])
-                .arg("--backing-file")
-                .arg(c.path("data"))
-                .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-                .arg("--coordinator")
-                .arg(c.addr())
-                .arg("--token-file")
-                .arg(c.path("token"))
-                .args(["--frames", "256"])
-                .arg("--shm-dir")
-                .arg(c.path(""))
-                .env_remove("RUST_LOG")
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).expect("log"))
-                .spawn()
-                .expect("spawn node");
-            c.procs.push(Proc {
-                name: id.into(),
-                child,
-                log,
-            });
+            c.start_node(id, 256);
         }
-        c.wait_stable();
-        c
+        c.wait_for("the map to cover the file", |c| {
+            c.map().is_some_and(|m| m.file_size == FILE_LEN)
+        });
+        c.wait_stable(2);
+        Cluster(c)
     }
 
     fn addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// `GetMap` (expanded) and `ListNodes`, or None while the coordinator
-    /// does not answer.
-    fn state(&self) -> Option<(OwnershipMap, Vec<NodeInfo>)> {
-        let addr = self.addr();
-        rt().block_on(async move {
-            let ch = pagewire_proto::net::connect(&addr, None, Duration::from_secs(2))
-                .await
-                .ok()?;
-            let mut c =
-                CoordinatorClient::with_interceptor(ch, AttachToken::new(TOKEN).expect("token"));
-            let map = c.get_map(GetMapRequest::default()).await.ok()?.into_inner();
-            let nodes = c.list_nodes(ListNodesRequest {}).await.ok()?.into_inner();
-            Some((map, nodes.nodes))
-        })
-    }
-
-    fn wait_stable(&self) {
-        let start = Instant::now();
-        loop {
-            if let Some((map, nodes)) = self.state() {
-                let alive: Vec<&NodeInfo> = nodes
-                    .iter()
-                    .filter(|n| n.state() == NodeState::Alive)
-                    .collect();
-                if map.epoch != 0
-                    && map.file_size == FILE_LEN
-                    && alive.len() == 2
-                    && map.previous_owner.iter().all(|&p| p == 0)
-                    && map.owner.iter().all(|&o| o != 0)
-                    && alive.iter().all(|n| n.applied_epoch == map.epoch)
-                {
-                    return;
-                }
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "the cluster did not settle in 30 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.coord_addr()
     }
 
     fn map(&self) -> OwnershipMap {
-        self.state().expect("the coordinator answers").0
+        self.0.map().expect("the coordinator answers")
     }
 
     fn pwctl(&self, args: &[&str]) -> Output {
@@ -288,7 +121,7 @@ impl Cluster {
     }
 
     fn file_bytes(&self, first: u64, count: u64) -> Vec<u8> {
-        let all = std::fs::read(self.path("data")).expect("read data");
+        let all = std::fs::read(&self.backing).expect("read data");
         let end = ((first + count) * PS).min(FILE_LEN) as usize;
         all[(first * PS) as usize..end].to_vec()
     }
