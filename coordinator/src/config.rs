@@ -3,7 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use pagewire_proto::policy::{ADMISSION, EVICTION, one_of};
+// The policy names, their parsing and the implemented lists are the
+// contract's (`pagewire_proto::policy`).
+use pagewire_proto::policy::{
+    ADMISSION, EVICTION, admission_name, check_implemented, eviction_name, one_of, parse_admission,
+    parse_eviction,
+};
 use pagewire_proto::v1::{AdmissionPolicy, EvictionPolicy, Policy};
 use serde::Deserialize;
 
@@ -170,14 +175,6 @@ impl Default for PolicyConfig {
         }
     }
 }
-
-// The policy names, their parsing and the implemented lists are the
-// contract's (`pagewire_proto::policy`); re-exported for the coordinator's
-// other modules.
-pub use pagewire_proto::policy::{
-    IMPLEMENTED_ADMISSION, IMPLEMENTED_EVICTION, admission_name, check_implemented, eviction_name,
-    parse_admission, parse_eviction,
-};
 
 /// Checks a policy's fields (from a config file or a SetPolicy call).
 pub fn validate_policy(p: &Policy) -> Result<(), String> {
@@ -521,8 +518,8 @@ mod tests {
                 high_watermark_percent: 95,
                 low_watermark_percent: 85,
             };
-            let a = IMPLEMENTED_ADMISSION.contains(&p.admission());
-            let e = IMPLEMENTED_EVICTION.contains(&p.eviction());
+            let a = pagewire_proto::policy::IMPLEMENTED_ADMISSION.contains(&p.admission());
+            let e = pagewire_proto::policy::IMPLEMENTED_EVICTION.contains(&p.eviction());
             match (cfg.validate(), check_implemented(&p)) {
                 (Ok(()), Ok(())) => assert!(a && e, "{admission}/{eviction} accepted"),
                 (Err(ce), Err(msg)) => {

@@ -419,7 +419,7 @@ impl ClusterState {
 
     pub(crate) fn set_policy(&mut self, mut p: Policy) -> Result<Policy, CoordError> {
         crate::config::validate_policy(&p).map_err(CoordError::InvalidArgument)?;
-        crate::config::check_implemented(&p).map_err(CoordError::Unimplemented)?;
+        pagewire_proto::policy::check_implemented(&p).map_err(CoordError::Unimplemented)?;
         p.version = self.policy.version + 1;
         let old = std::mem::replace(&mut self.policy, p);
         if let Err(e) = self.save() {
@@ -428,8 +428,8 @@ impl ClusterState {
         }
         tracing::info!(
             version = p.version,
-            admission = crate::config::admission_name(p.admission()),
-            eviction = crate::config::eviction_name(p.eviction()),
+            admission = pagewire_proto::policy::admission_name(p.admission()),
+            eviction = pagewire_proto::policy::eviction_name(p.eviction()),
             high = p.high_watermark_percent,
             low = p.low_watermark_percent,
             "policy changed"

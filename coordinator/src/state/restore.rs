@@ -102,7 +102,7 @@ impl ClusterState {
             // A policy saved by an older coordinator may name what the
             // nodes do not implement: the config's replaces it, with a
             // higher version so nodes that applied the old one switch.
-            match crate::config::check_implemented(&p) {
+            match pagewire_proto::policy::check_implemented(&p) {
                 Ok(()) => self.policy = p,
                 Err(why) => {
                     tracing::warn!(saved_version = p.version, %why, "saved policy refused; using the config's");

@@ -528,17 +528,15 @@ fn huge_ids_and_fields_are_refused_with_short_messages() {
 
 #[test]
 fn set_policy_refuses_what_the_nodes_do_not_implement() {
-    use crate::config::{IMPLEMENTED_ADMISSION, IMPLEMENTED_EVICTION};
-    use pagewire_proto::v1::{AdmissionPolicy, EvictionPolicy};
+    use pagewire_proto::policy::{
+        ADMISSION, EVICTION, IMPLEMENTED_ADMISSION, IMPLEMENTED_EVICTION,
+    };
+    use pagewire_proto::v1::EvictionPolicy;
     let dir = tempfile::tempdir().unwrap();
     let mut c = open(dir.path());
     let base = c.policy;
-    for a in [AdmissionPolicy::Always, AdmissionPolicy::SecondHit] {
-        for e in [
-            EvictionPolicy::Clock,
-            EvictionPolicy::Lru,
-            EvictionPolicy::Fifo,
-        ] {
+    for &a in ADMISSION {
+        for &e in EVICTION {
             let before = c.policy;
             let mut p = base;
             p.admission = a.into();
