@@ -10,9 +10,8 @@
 //!   extent ([`CacheConfig::extent_pages`]): a node must not cache pages of
 //!   an extent it does not answer for.
 //! * No free frame: [`PageCache::reclaim`] evicts unreferenced, unheld
-//!   frames by the eviction policy ([`crate::policy`]): a CLOCK sweep
-//!   (`clock`), or the oldest stamp of each random sample of frames (`lru`
-//!   stamps a frame at every hit, `fifo` at its fill).
+//!   frames by the policy ([`crate::policy`]): a CLOCK sweep (`clock`), or
+//!   the oldest stamp of random samples (`lru`: last hit, `fifo`: fill).
 //! * Dropping a range ([`PageCache::evict_range`], an extent the node no
 //!   longer answers for): close it against fills already under way, then
 //!   claim each page in turn and unlink its copy even if readers hold it
@@ -49,8 +48,7 @@ pub struct CacheConfig {
     pub sync_writes: bool,
     /// Largest readahead window in pages (0 turns readahead off).
     pub readahead_max: usize,
-    /// Frames one reclaim (a CLOCK sweep or sampled eviction) tries to free
-    /// at once.
+    /// Frames one reclaim (CLOCK sweep or sampled eviction) frees at once.
     pub evict_batch: usize,
     /// Bind the region to this NUMA node (needs feature `numa`).
     pub numa_node: Option<usize>,

@@ -1,3 +1,7 @@
+//! The state machine's unit tests: input checks, register, heartbeat,
+//! drain and expiry, restore and old-format conversion, the compact map
+//! against its expansion (randomized), and policy changes.
+
 use super::*;
 use pagewire_proto::v1::RegisterRequest;
 
