@@ -1,9 +1,8 @@
 //! What pagewire's tests share, so that each test file holds its tests and
 //! not another copy of the same set-up: a free loopback port
 //! ([`free_port`]), polling until something holds ([`wait_for`]), tokio
-//! runtimes ([`rt`], [`rt_multi`]), binaries built beside the test
-//! ([`bins`]), child processes that are killed on drop and print the tail
-//! of their log when the test panics ([`process`]), signals that wait for a
+//! runtimes ([`rt`], [`rt_multi`]), child processes that are killed on
+//! drop and print the tail of their log when the test panics ([`process`]), signals that wait for a
 //! SIGSTOP to take ([`signal`]), clients that attach the cluster token
 //! ([`grpc`]), a loopback cluster of one coordinator and its nodes
 //! ([`cluster`]), and a fake coordinator in-process ([`fake_coordinator`]).
@@ -13,7 +12,6 @@
 //! (`pagewire-node`, `pagewire-coordinator`) or the client: it starts the
 //! daemons as processes, from paths its users give it.
 
-pub mod bins;
 pub mod cluster;
 pub mod fake_coordinator;
 pub mod grpc;
