@@ -232,3 +232,51 @@ fn the_map_follower_refuses_a_bad_address_list() {
         }
     }
 }
+
+/// While no coordinator takes its heartbeats (a leader failover), the node
+/// retries well inside its interval, so a leader elected before the lease
+/// lapses gets a heartbeat in time. With a 2 s interval the old loop tried
+/// one round per interval: at most 2 rounds in these 4 s, and in a compose
+/// failover the leases lapsed between two rounds with the new leader up.
+#[test]
+fn failing_heartbeats_are_retried_well_inside_the_interval() {
+    let rt = runtime();
+    let a = Fake::start(&rt, TOKEN, Role::Leader);
+    let b = Fake::start(&rt, TOKEN, Role::Follower { hint: None });
+    for f in [&a, &b] {
+        let mut st = f.state();
+        st.lease_ms = 10_000;
+        st.heartbeat_interval_ms = 2000;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let node = start_node(dir.path(), &format!("{},{}", a.address, b.address));
+    wait_for("a heartbeat on the leader", Duration::from_secs(20), || {
+        a.count("Heartbeat") >= 1
+    });
+    // Nobody leads for 4 s.
+    a.set_role(Role::Candidate);
+    b.set_role(Role::Candidate);
+    let before = a.count("Heartbeat") + b.count("Heartbeat");
+    std::thread::sleep(Duration::from_secs(4));
+    let tries = a.count("Heartbeat") + b.count("Heartbeat") - before;
+    // The first failure comes within an interval (2 s); then rounds of two
+    // tries 100, 200, 400, 500, 500 ... ms apart: at least 4 more rounds.
+    assert!(
+        tries >= 8,
+        "{tries} heartbeat tries in 4 s without a leader: {}",
+        node.log_text()
+    );
+    // A new leader gets a heartbeat within the capped wait, and the node
+    // keeps its registration.
+    b.set_role(Role::Leader);
+    let t0 = Instant::now();
+    let before = b.count("Heartbeat");
+    wait_for(
+        "a heartbeat on the new leader",
+        Duration::from_secs(5),
+        || b.count("Heartbeat") > before,
+    );
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+    assert_eq!(a.count("Register") + b.count("Register"), 1);
+}

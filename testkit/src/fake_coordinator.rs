@@ -41,6 +41,8 @@ pub struct FakeState {
     pub calls: Vec<&'static str>,
     pub map: OwnershipMap,
     pub lease_ms: u64,
+    /// The heartbeat interval a registration is told (default 50 ms).
+    pub heartbeat_interval_ms: u64,
     pub uptime_ms: u64,
     /// What `Status` says of the cluster's coordinators.
     pub store: String,
@@ -73,6 +75,7 @@ impl Fake {
             calls: Vec::new(),
             map: OwnershipMap::default(),
             lease_ms: 3000,
+            heartbeat_interval_ms: 50,
             uptime_ms: 1000,
             store: "etcd://127.0.0.1:2379".into(),
             leader: String::new(),
@@ -159,7 +162,7 @@ impl Coordinator for Svc {
             node_index: 1,
             incarnation: 1,
             lease_ms: st.lease_ms,
-            heartbeat_interval_ms: 50,
+            heartbeat_interval_ms: st.heartbeat_interval_ms,
             map: None,
             policy: None,
         }))

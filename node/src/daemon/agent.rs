@@ -33,7 +33,8 @@
 //!   (`switching coordinator from=.. to=..`). The call is retried at once
 //!   until every address has failed once since the last success, then after
 //!   the backoff that a single coordinator gets (registration and the map
-//!   stream: 100 ms doubling to 2 s; heartbeats: the next interval). The
+//!   stream: 100 ms doubling to 2 s; heartbeats: 100 ms doubling to a
+//!   quarter of the interval, so a new leader is found within the lease). The
 //!   map stream may stay on a follower: followers confirm with etcd that
 //!   their copy is current before they answer, so their maps are as good
 //!   as the leader's. Whatever a coordinator sends, a map older than the
@@ -55,6 +56,10 @@ use pagewire_proto::v1::{
 use tonic::Code;
 
 use super::{Config, DaemonError, Node};
+
+/// The first wait before retrying a round of failed heartbeats (then
+/// doubling, at most a quarter of the heartbeat interval).
+const FAILING_HEARTBEAT_FIRST: Duration = Duration::from_millis(100);
 
 /// How [`Agent::drain`] ended.
 #[derive(Debug)]
@@ -298,10 +303,24 @@ impl Agent {
         let mut failing = false;
         // After a failover switch: send the next heartbeat at once.
         let mut retry_now = false;
+        // While heartbeats fail: the wait before the next round, 100 ms
+        // doubling to a quarter of the interval, so that a new leader
+        // elected within the lease is found before it lapses (waiting a
+        // whole interval let leases lapse in a leader failover: two tries
+        // in the 4 s a lease had left, the new leader up between them).
+        let mut failing_wait = FAILING_HEARTBEAT_FIRST;
         loop {
             if !std::mem::take(&mut retry_now) {
+                let wait = if failing {
+                    let w = failing_wait.min(self.interval() / 4);
+                    failing_wait = (failing_wait * 2).min(self.interval() / 4);
+                    w
+                } else {
+                    failing_wait = FAILING_HEARTBEAT_FIRST;
+                    self.interval()
+                };
                 tokio::select! {
-                    () = tokio::time::sleep(self.interval()) => {}
+                    () = tokio::time::sleep(wait) => {}
                     () = self.node.heartbeat_now.notified() => {}
                 }
             }
