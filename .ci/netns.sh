@@ -35,14 +35,16 @@ step "build (release: pagewire-coordinator, pwctl, pagewire-node, pagewire-bench
 bash k8s/image/build.sh --binaries-only
 
 step "storm-netns.sh --self-check"
-# The script cleans up on SIGTERM; --kill-after is the last resort.
-timeout --kill-after=20 120 bash bench/scripts/storm-netns.sh --self-check \
+# The script cleans up on SIGTERM; --kill-after is the last resort, and
+# --force-clean removes what a run killed that way (or a CI machine reused
+# after one) left behind: CI's machine is its own.
+timeout --kill-after=20 120 bash bench/scripts/storm-netns.sh --self-check --force-clean \
   --bin-dir "${CARGO_TARGET_DIR:-target}/release"
 
 step "a short storm across the namespace hosts, node-2 cut off and healed"
 # tcp only (a namespace host has its own /dev/shm); every read verified; the
 # cut must be recovered from (its extents served by the others) within the run.
-timeout --kill-after=20 240 bash bench/scripts/storm-netns.sh --nodes 3 --readers 2 \
+timeout --kill-after=20 240 bash bench/scripts/storm-netns.sh --force-clean --nodes 3 --readers 2 \
   --cut-at 4s --heal-at 9s -- --file-mib 16 --duration 12s --compare one-sided,grpc,pread \
   --compare-duration 1s --lease-ms 1500 --json --out "${CARGO_TARGET_DIR:-target}/storm-netns" |
   python3 -c '

@@ -59,7 +59,9 @@ bash rdma/scripts/softroce-test.sh
 step "the storm over verbs across soft-RoCE VMs, then remote between two of them"
 # CI's one release line (fresh when .ci/run built it).
 bash k8s/image/build.sh --binaries-only
-bash rdma/scripts/softroce-cluster.sh --no-build --keep target/softroce-cluster-results
+# --force-clean: CI's machine is its own, so whatever an earlier run that was
+# killed left in the namespace (a qemu, the agent) goes.
+bash rdma/scripts/softroce-cluster.sh --no-build --force-clean --keep target/softroce-cluster-results
 
 step "pagewire-bench transport --quick"
 target/release/pagewire-bench transport --quick

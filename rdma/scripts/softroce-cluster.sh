@@ -67,7 +67,8 @@
 #                     --features verbs` first
 #   --clean           only remove leftovers of an earlier run (the netns and
 #                     every process in it), then exit
-#   --force-clean     remove such leftovers, then run
+#   --force-clean     remove such leftovers, then run (an empty leftover
+#                     netns goes without it; one with processes in it needs it)
 #   --                everything after it goes to the storm; when it names a
 #                     fault (--kill --restart --pause --cut --heal) the default
 #                     schedule is dropped
@@ -260,11 +261,22 @@ if [[ $mode == clean ]]; then
     fi
     exit 0
 fi
+# We hold the lock, so no other run of this script is alive: a namespace
+# of ours that is still here was left by a run that died before its
+# cleanup (kill -9, a machine reset with /run kept). An empty one holds
+# nothing anybody could want and goes without asking; one with processes
+# in it (a qemu that outlived its script) goes only with --force-clean.
 if ns_exists; then
-    ((force_clean)) || die "netns $NS already exists (processes: $(ip netns pids "$NS" 2>/dev/null | xargs))
+    leftover=$(ip netns pids "$NS" 2>/dev/null | xargs)
+    if [[ -z $leftover ]]; then
+        say "removing netns $NS, left empty by an earlier run that ended without its cleanup"
+    else
+        ((force_clean)) || die "netns $NS already exists with processes in it: $leftover
   (left over from an earlier run? rerun with --force-clean, or --clean to only remove it)"
-    say "--force-clean: removing netns $NS"
+        say "--force-clean: removing netns $NS and its processes: $leftover"
+    fi
     teardown
+    ! ns_exists || die "could not remove netns $NS"
 fi
 
 # ------------------------------------------------------------ build
