@@ -11,10 +11,12 @@
 //!
 //! * **Budget.** A process lets at most `cap = available_parallelism() - 1`
 //!   threads of each role spin at once; the rest block at once, and with one
-//!   core nobody spins. When a role has more waiters than `cap` (serving
-//!   threads, connections with spinning enabled), none of them spins: many
-//!   clients on few cores keep every core busy with real work, and a
-//!   spinner would only delay them.
+//!   core nobody spins. When more than `cap` waiters of a role are busy
+//!   (began a wait within the last 1–2 ms: serving threads and connections
+//!   with traffic), none of them spins: many clients on few cores keep every
+//!   core busy with real work, and a spinner would only delay them. Idle
+//!   waiters (a connection nobody reads from, a serving thread whose client
+//!   is quiet) do not count: they take no CPU.
 //! * **Window** ([`AdaptiveSpin`], one per serving thread or connection,
 //!   after KVM's halt polling): it starts at the configured spin; a wait
 //!   that ended by blocking longer than that halves it (traffic too sparse
@@ -33,43 +35,171 @@
 //! A spinning thread yields (`sched_yield`) between polls after the first
 //! few, so a runnable peer on its core still gets to run.
 //!
+//! Every wait is counted by what it did ([`SpinStats`], per role and
+//! process, `pagewire_rdma::tcp::spin_stats`): the benches print them
+//! beside each `tcp` row, so a window that stays shut shows why.
+//!
 //! # Protocol
 //!
 //! **State.** Per role ([`RESPONDER`], [`READER`]), a counter of threads
-//! spinning now, `0 ..= cap`, and a counter of waiters (live
-//! [`AdaptiveSpin`]s with a non-zero spin).
+//! spinning now, `0 ..= cap`; the busy waiters of the current and the
+//! previous millisecond tick ([`Busy`]: a tick number and two counts); and
+//! a counter of live waiters (statistics only).
 //!
 //! **Fields.** `spinning` is changed only by [`SpinBudget::try_acquire`]
-//! (increment) and by dropping the [`SpinSlot`] it returned (decrement);
-//! `waiters` only by [`AdaptiveSpin::new`] (increment) and its `Drop`
-//! (decrement).
+//! (increment) and by dropping the [`SpinSlot`] it returned (decrement).
+//! A waiter adds itself to the count of the tick it begins a wait in, at
+//! most once per tick (it remembers the last tick it counted in); the
+//! first waiter to see a new tick advances `tick` by CAS and zeroes the
+//! count that tick reuses (both, if a whole tick passed without waits).
 //!
 //! **Transitions.** 1. acquire: `n -> n + 1` by CAS, only if `n < cap`
-//! and `waiters <= cap`; otherwise the thread does not spin. 2. release:
+//! and the busy count (the larger of this tick's and the last one's) is
+//! at most `cap`; otherwise the thread does not spin. 2. release:
 //! `n -> n - 1`, exactly once per successful acquire (the slot's `Drop`).
-//! 3. a waiter comes (`waiters + 1`) or goes (`waiters - 1`).
+//! 3. a waiter counts itself busy in a tick; 4. a new tick zeroes the
+//! count it reuses.
 //!
-//! **Ordering.** `Relaxed` everywhere: the counter protects no data, only
+//! **Ordering.** `Relaxed` everywhere: the counters protect no data, only
 //! CPU time; a thread that sees a stale count at worst blocks instead of
-//! spinning (or the reverse, once), and the CAS keeps the count exact.
+//! spinning (or the reverse, once), and the CAS keeps `spinning` exact.
 //!
 //! **Critical interleavings.** Two threads race for the last slot: one CAS
 //! wins, the other fails and re-reads `n == cap`, so it blocks. A waiter
-//! arrives just after another thread checked `waiters <= cap`: that one
-//! spin episode runs anyway, bounded by its window; the next one sees the
-//! new count. A spinner
-//! that panics releases its slot while unwinding (`Drop`).
+//! counts itself into a slot just before another thread zeroes it for the
+//! new tick: it goes uncounted for up to one tick, so at worst one spin
+//! episode runs that should not, bounded by its window. Two threads see
+//! the new tick at once: one CAS wins and zeroes; the other's count lands
+//! in the zeroed slot or, lost to the same race, is missing for a tick. A
+//! spinner that panics releases its slot while unwinding (`Drop`).
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// How many threads of one role may spin at once.
 pub(crate) struct SpinBudget {
     spinning: AtomicUsize,
+    /// Live waiters (statistics only).
     waiters: AtomicUsize,
+    /// Waiters that began a wait lately.
+    busy: Busy,
     /// `None`: `available_parallelism() - 1`.
     cap: Option<usize>,
+    /// What the role's waiters did, for [`stats`].
+    counters: Counters,
+}
+
+/// What the waiters of one role did since the process started: every wait
+/// either spins or says why it did not, and ends caught by a spin or by
+/// blocking. Counted with `Relaxed` adds (statistics, no protocol), once
+/// per wait: a wait is a round trip of microseconds, an add a few ns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SpinStats {
+    /// Waiters of the role alive now (busy or idle).
+    pub waiters: u64,
+    /// Of `waiters`, those that began a wait in the last 1–2 ms.
+    pub busy: u64,
+    /// The most that may spin at once (cores - 1).
+    pub cap: u64,
+    /// Waits that began.
+    pub waits: u64,
+    /// Waits that spun.
+    pub spins: u64,
+    /// Spins that caught their message.
+    pub caught: u64,
+    /// Spins during which the thread was preempted (each starts a cooldown).
+    pub preempted: u64,
+    /// Waits that did not spin because the window was closed.
+    pub closed: u64,
+    /// Of `spins`, probes of a closed window.
+    pub probes: u64,
+    /// Waits that did not spin because of a cooldown.
+    pub cooling: u64,
+    /// Waits that did not spin because the budget was full (or more
+    /// waiters than `cap`).
+    pub no_budget: u64,
+    /// Waits that blocked.
+    pub blocks: u64,
+    /// Of `blocks`, those longer than the configured spin (each halves the
+    /// window).
+    pub long_blocks: u64,
+    /// Sum of the windows that spins began with, ns (`/ spins`: the mean).
+    pub window_ns: u64,
+}
+
+impl SpinStats {
+    /// The counts of `self` since `earlier` (`waiters` and `cap` as now).
+    pub fn since(&self, earlier: &SpinStats) -> SpinStats {
+        SpinStats {
+            waiters: self.waiters,
+            busy: self.busy,
+            cap: self.cap,
+            waits: self.waits.saturating_sub(earlier.waits),
+            spins: self.spins.saturating_sub(earlier.spins),
+            caught: self.caught.saturating_sub(earlier.caught),
+            preempted: self.preempted.saturating_sub(earlier.preempted),
+            closed: self.closed.saturating_sub(earlier.closed),
+            probes: self.probes.saturating_sub(earlier.probes),
+            cooling: self.cooling.saturating_sub(earlier.cooling),
+            no_budget: self.no_budget.saturating_sub(earlier.no_budget),
+            blocks: self.blocks.saturating_sub(earlier.blocks),
+            long_blocks: self.long_blocks.saturating_sub(earlier.long_blocks),
+            window_ns: self.window_ns.saturating_sub(earlier.window_ns),
+        }
+    }
+
+    /// Mean window a spin began with, µs (0 without spins).
+    pub fn mean_window_us(&self) -> f64 {
+        if self.spins == 0 {
+            0.0
+        } else {
+            self.window_ns as f64 / self.spins as f64 / 1e3
+        }
+    }
+}
+
+/// [`SpinStats`]' counts as atomics.
+struct Counters {
+    waits: AtomicU64,
+    spins: AtomicU64,
+    caught: AtomicU64,
+    preempted: AtomicU64,
+    closed: AtomicU64,
+    probes: AtomicU64,
+    cooling: AtomicU64,
+    no_budget: AtomicU64,
+    blocks: AtomicU64,
+    long_blocks: AtomicU64,
+    window_ns: AtomicU64,
+}
+
+impl Counters {
+    const fn new() -> Self {
+        Self {
+            waits: AtomicU64::new(0),
+            spins: AtomicU64::new(0),
+            caught: AtomicU64::new(0),
+            preempted: AtomicU64::new(0),
+            closed: AtomicU64::new(0),
+            probes: AtomicU64::new(0),
+            cooling: AtomicU64::new(0),
+            no_budget: AtomicU64::new(0),
+            blocks: AtomicU64::new(0),
+            long_blocks: AtomicU64::new(0),
+            window_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What the `tcp` readers ([`READER`]) and responders ([`RESPONDER`]) of
+/// this process did since it started: `(reader, responder)`.
+pub fn stats() -> (SpinStats, SpinStats) {
+    (READER.snapshot(), RESPONDER.snapshot())
 }
 
 /// Serving threads of every `tcp` responder of this process.
@@ -89,15 +219,39 @@ impl SpinBudget {
         Self {
             spinning: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
+            busy: Busy::new(),
             cap,
+            counters: Counters::new(),
+        }
+    }
+
+    fn snapshot(&self) -> SpinStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SpinStats {
+            waiters: self.waiters.load(Ordering::Relaxed) as u64,
+            busy: self.busy.count(tick_now()) as u64,
+            cap: self.cap.unwrap_or_else(default_cap) as u64,
+            waits: l(&c.waits),
+            spins: l(&c.spins),
+            caught: l(&c.caught),
+            preempted: l(&c.preempted),
+            closed: l(&c.closed),
+            probes: l(&c.probes),
+            cooling: l(&c.cooling),
+            no_budget: l(&c.no_budget),
+            blocks: l(&c.blocks),
+            long_blocks: l(&c.long_blocks),
+            window_ns: l(&c.window_ns),
         }
     }
 
     /// A slot to spin in, or `None` when enough threads spin already or
-    /// more waiters than cores-to-spare share the role.
-    pub(crate) fn try_acquire(&self) -> Option<SpinSlot<'_>> {
+    /// more busy waiters than cores-to-spare share the role (as of tick
+    /// `now`).
+    pub(crate) fn try_acquire(&self, now: u64) -> Option<SpinSlot<'_>> {
         let cap = self.cap.unwrap_or_else(default_cap);
-        if self.waiters.load(Ordering::Relaxed) > cap {
+        if self.busy.count(now) > cap {
             return None;
         }
         self.spinning
@@ -106,6 +260,67 @@ impl SpinBudget {
             })
             .ok()
             .map(|_| SpinSlot { budget: self })
+    }
+}
+
+/// The busy waiters of a role: how many distinct waiters began a wait in
+/// the current millisecond tick and in the one before.
+struct Busy {
+    /// The newest tick anyone counted in.
+    tick: AtomicU64,
+    /// Waiters counted in ticks `tick` and `tick - 1`, at `t % 2`.
+    counts: [AtomicUsize; 2],
+}
+
+/// Milliseconds since the first call in this process.
+fn tick_now() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+impl Busy {
+    const fn new() -> Self {
+        Self {
+            tick: AtomicU64::new(0),
+            counts: [AtomicUsize::new(0), AtomicUsize::new(0)],
+        }
+    }
+
+    /// Counts a waiter that last counted itself in tick `*last` as busy in
+    /// tick `now` (once per tick).
+    fn note(&self, last: &mut u64, now: u64) {
+        if *last == now {
+            return;
+        }
+        *last = now;
+        let t = self.tick.load(Ordering::Relaxed);
+        if now > t
+            && self
+                .tick
+                .compare_exchange(t, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.counts[(now % 2) as usize].store(0, Ordering::Relaxed);
+            if now > t + 1 {
+                self.counts[((now + 1) % 2) as usize].store(0, Ordering::Relaxed);
+            }
+        }
+        self.counts[(now % 2) as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Busy waiters as of tick `now`: the larger count of the last two
+    /// ticks (0 when nobody waited in either).
+    fn count(&self, now: u64) -> usize {
+        let t = self.tick.load(Ordering::Relaxed);
+        let at = |k: u64| self.counts[(k % 2) as usize].load(Ordering::Relaxed);
+        if now > t + 1 {
+            0
+        } else if now == t + 1 {
+            at(t)
+        } else {
+            at(t).max(at(t.wrapping_sub(1)))
+        }
     }
 }
 
@@ -163,6 +378,8 @@ pub(crate) struct AdaptiveSpin {
     closed_waits: u32,
     /// The next cooldown's length.
     next_cooldown: u32,
+    /// The last tick this waiter counted itself busy in.
+    last_tick: u64,
 }
 
 /// One spin in progress: holds a budget slot until [`AdaptiveSpin::end`].
@@ -200,12 +417,21 @@ impl AdaptiveSpin {
             cooldown: 0,
             closed_waits: 0,
             next_cooldown: COOLDOWN_START,
+            last_tick: u64::MAX,
         }
     }
 
     /// Starts a spin, or `None` to block at once (no window, cooling down
     /// after a preemption, or the budget full).
     pub(crate) fn begin(&mut self) -> Option<Episode> {
+        if self.max.is_zero() {
+            return None;
+        }
+        let c = &self.budget.counters;
+        bump(&c.waits);
+        let now = tick_now();
+        self.budget.busy.note(&mut self.last_tick, now);
+        let mut probe = false;
         if self.window.is_zero() {
             // A closed window cannot learn that traffic became dense again:
             // every blocking wait costs a wake-up (tens of µs here, more than
@@ -213,17 +439,31 @@ impl AdaptiveSpin {
             // and then with a small window; a spin that catches its message
             // widens it (`end`).
             self.closed_waits += 1;
-            if self.max.is_zero() || self.closed_waits < PROBE_EVERY {
+            if self.closed_waits < PROBE_EVERY {
+                bump(&c.closed);
                 return None;
             }
             self.closed_waits = 0;
             self.window = self.max / 8;
+            probe = true;
         }
         if self.cooldown > 0 {
             self.cooldown -= 1;
+            bump(&c.cooling);
             return None;
         }
-        let slot = self.budget.try_acquire()?;
+        let Some(slot) = self.budget.try_acquire(now) else {
+            bump(&c.no_budget);
+            return None;
+        };
+        bump(&c.spins);
+        if probe {
+            bump(&c.probes);
+        }
+        c.window_ns.fetch_add(
+            u64::try_from(self.window.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         Some(Episode {
             _slot: slot,
             until: Instant::now() + self.window,
@@ -236,7 +476,12 @@ impl AdaptiveSpin {
     pub(crate) fn end(&mut self, episode: Episode, got: bool) {
         let preempted = involuntary_switches() > episode.switches;
         drop(episode);
+        let c = &self.budget.counters;
+        if got {
+            bump(&c.caught);
+        }
         if preempted {
+            bump(&c.preempted);
             self.cooldown = self.next_cooldown;
             self.next_cooldown = (self.next_cooldown * 2).min(COOLDOWN_MAX);
             tracing::trace!(
@@ -255,7 +500,9 @@ impl AdaptiveSpin {
         if self.max.is_zero() {
             return;
         }
+        bump(&self.budget.counters.blocks);
         if blocked > self.max {
+            bump(&self.budget.counters.long_blocks);
             self.window /= 2;
             if self.window < Duration::from_micros(1) {
                 self.window = Duration::ZERO;
@@ -281,15 +528,18 @@ mod tests {
     #[test]
     fn at_most_cap_spinners() {
         let b = SpinBudget::new(Some(2));
-        let s1 = b.try_acquire().expect("first");
-        let s2 = b.try_acquire().expect("second");
-        assert!(b.try_acquire().is_none(), "a third spinner over a cap of 2");
+        let s1 = b.try_acquire(tick_now()).expect("first");
+        let s2 = b.try_acquire(tick_now()).expect("second");
+        assert!(
+            b.try_acquire(tick_now()).is_none(),
+            "a third spinner over a cap of 2"
+        );
         drop(s1);
-        let s3 = b.try_acquire().expect("a freed slot");
-        assert!(b.try_acquire().is_none());
+        let s3 = b.try_acquire(tick_now()).expect("a freed slot");
+        assert!(b.try_acquire(tick_now()).is_none());
         drop((s2, s3));
         assert_eq!(b.spinning.load(Ordering::Relaxed), 0);
-        assert!(SpinBudget::new(Some(0)).try_acquire().is_none());
+        assert!(SpinBudget::new(Some(0)).try_acquire(tick_now()).is_none());
     }
 
     #[test]
@@ -326,16 +576,62 @@ mod tests {
         }
         assert_eq!(a.window, max);
         let mut ep = a.begin().expect("a window and a free budget");
-        assert!(B.try_acquire().is_none(), "the episode holds the slot");
+        assert!(
+            B.try_acquire(tick_now()).is_none(),
+            "the episode holds the slot"
+        );
         ep.switches = i64::MAX; // not preempted: no cooldown after it
         a.end(ep, true);
-        assert!(B.try_acquire().is_some(), "ending the episode frees it");
+        assert!(
+            B.try_acquire(tick_now()).is_some(),
+            "ending the episode frees it"
+        );
         assert!(AdaptiveSpin::new(&B, Duration::ZERO).begin().is_none());
-        // A second waiter in a role with one core to spare: nobody spins.
-        let b = AdaptiveSpin::new(&B, max);
-        assert!(a.begin().is_none(), "two waiters, cap 1");
+        // A second busy waiter in a role with one core to spare: nobody
+        // spins. (A tick may pass between the two begins; then b counted
+        // in the previous one, which still counts.)
+        let mut b = AdaptiveSpin::new(&B, max);
+        let _ = b.begin();
+        assert!(a.begin().is_none(), "two busy waiters, cap 1");
         drop(b);
+        // b is no longer busy once two ticks pass without a wait of its.
+        std::thread::sleep(Duration::from_millis(3));
         assert!(a.begin().is_some(), "alone again");
+    }
+
+    /// Waiters that are alive but idle (connections nobody reads from,
+    /// serving threads of quiet clients) take no CPU and do not stop a
+    /// busy one from spinning.
+    #[test]
+    fn idle_waiters_do_not_stop_a_busy_one_from_spinning() {
+        static B: SpinBudget = SpinBudget::new(Some(1));
+        let max = Duration::from_micros(50);
+        let idle: Vec<AdaptiveSpin> = (0..7).map(|_| AdaptiveSpin::new(&B, max)).collect();
+        let mut a = AdaptiveSpin::new(&B, max);
+        let mut ep = a.begin().expect("the one busy waiter spins");
+        ep.switches = i64::MAX;
+        a.end(ep, true);
+        let st = B.snapshot();
+        assert_eq!(st.waiters, 8);
+        assert_eq!(st.busy, 1);
+        assert_eq!((st.spins, st.caught, st.no_budget), (1, 1, 0));
+        drop(idle);
+    }
+
+    #[test]
+    fn busy_counts_each_waiter_once_per_tick_and_forgets_old_ticks() {
+        let b = Busy::new();
+        let (mut x, mut y) = (u64::MAX, u64::MAX);
+        b.note(&mut x, 5);
+        b.note(&mut x, 5);
+        b.note(&mut y, 5);
+        assert_eq!(b.count(5), 2, "two waiters, however many waits");
+        assert_eq!(b.count(6), 2, "the last tick still counts");
+        b.note(&mut x, 6);
+        assert_eq!(b.count(6), 2, "max of this tick (1) and the last (2)");
+        assert_eq!(b.count(8), 0, "two quiet ticks: nobody is busy");
+        b.note(&mut y, 9);
+        assert_eq!(b.count(9), 1, "both old counts were zeroed");
     }
 
     #[test]

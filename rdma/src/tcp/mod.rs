@@ -45,6 +45,8 @@ use std::time::Duration;
 
 use crate::{ConnectError, handshake};
 
+/// How this process's readers and responders polled: `(reader, responder)`.
+pub use crate::spin::{SpinStats, stats as spin_stats};
 pub use conn::{ConnectionConfig, TcpConnection};
 pub use owner::{OwnerConfig, TcpOwner, TcpRegion};
 pub use wire::{REQUEST_LEN, RESPONSE_HEADER_LEN};

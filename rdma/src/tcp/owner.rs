@@ -67,6 +67,9 @@ struct RegionMem {
 
 struct Shared {
     config: OwnerConfig,
+    /// The spin serving threads use now, ns: `config.spin` until
+    /// [`TcpOwner::set_spin`].
+    spin_ns: AtomicU64,
     epoch: u64,
     regions: RwLock<HashMap<u32, Arc<RegionMem>>>,
     closed: AtomicBool,
@@ -96,6 +99,7 @@ impl TcpOwner {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
+            spin_ns: AtomicU64::new(duration_ns(config.spin)),
             config,
             epoch,
             regions: RwLock::new(HashMap::new()),
@@ -121,6 +125,14 @@ impl TcpOwner {
     #[must_use]
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Changes the adaptive polling of every serving thread (see
+    /// [`OwnerConfig::spin`]); each takes it up at its next request.
+    pub fn set_spin(&self, spin: Duration) {
+        self.shared
+            .spin_ns
+            .store(duration_ns(spin), Ordering::Relaxed);
     }
 
     /// The epoch every descriptor of this owner carries.
@@ -335,8 +347,14 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     let mut input = vec![0u8; 64 << 10];
     let mut have = 0;
     let mut out: Vec<u8> = Vec::with_capacity(256 << 10);
-    let mut spin = AdaptiveSpin::new(&spin::RESPONDER, shared.config.spin);
+    let mut spin_ns = shared.spin_ns.load(Ordering::Relaxed);
+    let mut spin = AdaptiveSpin::new(&spin::RESPONDER, Duration::from_nanos(spin_ns));
     loop {
+        let now_ns = shared.spin_ns.load(Ordering::Relaxed);
+        if now_ns != spin_ns {
+            spin_ns = now_ns;
+            spin = AdaptiveSpin::new(&spin::RESPONDER, Duration::from_nanos(spin_ns));
+        }
         let n = recv_request(&mut stream, &mut input[have..], shared, &mut spin)?;
         if n == 0 || shared.closed.load(Ordering::Acquire) {
             return Ok(());
@@ -476,6 +494,10 @@ fn answer(
         }
     };
     push_header(out, status, 0, id);
+}
+
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
