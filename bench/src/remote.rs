@@ -56,6 +56,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use pagewire_client::one_sided::ReaderConfig;
 use pagewire_node::pattern;
+use pagewire_rdma::tcp::SpinStats;
 use serde::Serialize;
 
 use crate::report::{self, median};
@@ -108,9 +109,12 @@ pub struct Args {
     #[arg(long, default_value = "auto")]
     pub owner: String,
     /// Adaptive polling of `tcp` (owner's responder and readers) and of the
-    /// raw ping-pong, microseconds.
-    #[arg(long, default_value_t = 50)]
-    pub spin_us: u64,
+    /// raw ping-pong, microseconds; several, comma-separated, give the
+    /// one-sided tcp and raw ping-pong rows once per value (a sweep: the
+    /// bench's own owner takes each value in turn; a daemon keeps its own).
+    /// The targets are judged on the first.
+    #[arg(long, value_delimiter = ',', default_value = "50")]
+    pub spin_us: Vec<u64>,
     /// The redis-server binary.
     #[arg(long, default_value = "redis-server")]
     pub redis_server: String,
@@ -157,6 +161,8 @@ pub struct Row {
     pub owner: &'static str,
     pub clients: usize,
     pub run: usize,
+    /// tcp rows: the spin of the readers (and of the bench's owner).
+    pub spin_us: Option<u64>,
     /// Pages per second (median over repeats).
     pub ops_per_sec: f64,
     /// Latency of one op (a run of `run` pages), µs.
@@ -172,6 +178,11 @@ pub struct Row {
     pub fallbacks: u64,
     /// Every repeat's pages per second, for spread.
     pub repeats_ops_per_sec: Vec<f64>,
+    /// tcp rows: how this process's readers polled, summed over repeats.
+    pub reader_spin: Option<SpinStats>,
+    /// tcp rows of the bench's owner: how its responder polled, summed
+    /// over repeats.
+    pub owner_spin: Option<SpinStats>,
 }
 
 /// Runs the bench and prints the table (or JSON).
@@ -204,7 +215,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("--pages must be at least the longest run ({max_run}) and 2");
     }
     let want = |p: &str| a.paths.iter().any(|x| x == p);
-    let spin = Duration::from_micros(a.spin_us);
+    let Some(&first_spin) = a.spin_us.first() else {
+        bail!("--spin-us needs a value");
+    };
+    let spin = Duration::from_micros(first_spin);
     let mut notes = vec![
         "frame_read rows: the floor of a one-sided page read on that transport, one READ of the page's frame bytes alone (no header READ, no checksum), at the frame a primed reader found, still verified against the pattern".to_owned(),
         "ops_per_sec counts pages; p50/p99 are per op, an op reading a run of `run` consecutive pages".to_owned(),
@@ -334,7 +348,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             _shm_dir.path(),
             frames,
             &token_file,
-            a.spin_us,
+            first_spin,
         )?;
         if o.served.preloaded != pages {
             bail!(
@@ -364,6 +378,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             tcp_addr: o.served.tcp_addr,
             tcp: o.served.tcp,
             verbs: None,
+            spin: Some(o.spin_probe()),
         };
         _internal = Some(o);
         Some(t)
@@ -391,10 +406,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut raw = Vec::new();
     if want("raw_tcp") {
         let bytes = Arc::new(std::fs::read(&file)?);
-        for (transport, s) in [("tcp_spin", spin), ("tcp_block", Duration::ZERO)] {
+        let spinning = a.spin_us.iter().filter(|&&us| us > 0);
+        for (transport, us) in spinning
+            .map(|&us| ("tcp_spin", us))
+            .chain([("tcp_block", 0)])
+        {
+            let s = Duration::from_micros(us);
             raw.push((
                 transport,
-                s,
+                us,
                 clients::raw_tcp_server(Arc::clone(&bytes), s)?,
             ));
         }
@@ -408,20 +428,27 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 if !want(transport) {
                     continue;
                 }
-                for (cache, cold) in [("warm", false), ("cold", true)] {
-                    let mut cs = one_sided_clients(t, transport, n, cold, spin, TOKEN)?;
-                    for c in &mut cs {
-                        c.prime(pages)?;
+                // tcp: once per --spin-us value.
+                let spins: &[u64] = if transport == "tcp" { &a.spin_us } else { &[0] };
+                for &us in spins {
+                    for (cache, cold) in [("warm", false), ("cold", true)] {
+                        let s = Duration::from_micros(us);
+                        let mut cs = one_sided_clients(t, transport, n, cold, s, TOKEN)?;
+                        for c in &mut cs {
+                            c.prime(pages)?;
+                        }
+                        groups.push(Group {
+                            path: "one_sided",
+                            transport,
+                            index_cache: cache,
+                            owner: t.label,
+                            owner_cpu: t.cpu.clone(),
+                            owner_spin: t.spin.clone().filter(|_| transport == "tcp"),
+                            spin_us: (transport == "tcp").then_some(us),
+                            clients: cs,
+                            runs: a.run.clone(),
+                        });
                     }
-                    groups.push(Group {
-                        path: "one_sided",
-                        transport,
-                        index_cache: cache,
-                        owner: t.label,
-                        owner_cpu: t.cpu.clone(),
-                        clients: cs,
-                        runs: a.run.clone(),
-                    });
                 }
             }
         }
@@ -457,6 +484,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     index_cache: "warm",
                     owner: "pagewire-node",
                     owner_cpu: daemon_cpu(c),
+                    owner_spin: None,
+                    spin_us: None,
                     clients: cs,
                     runs: a.run.clone(),
                 });
@@ -475,6 +504,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     index_cache: "-",
                     owner: t.label,
                     owner_cpu: t.cpu.clone(),
+                    owner_spin: t.spin.clone().filter(|_| transport == "tcp"),
+                    spin_us: (transport == "tcp").then_some(first_spin),
                     clients: vec![frame_only_client(t, transport, pages, spin, TOKEN)?],
                     runs: vec![1],
                 });
@@ -497,6 +528,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 index_cache: "-",
                 owner: "pagewire-node",
                 owner_cpu: daemon_cpu(c),
+                owner_spin: None,
+                spin_us: None,
                 clients: cs,
                 runs: a.run.clone(),
             });
@@ -516,14 +549,19 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 } else {
                     OwnerCpu::Pid(r.child.id())
                 },
+                owner_spin: None,
+                spin_us: None,
                 clients: cs,
                 runs: a.run.clone(),
             });
         }
-        for &(transport, s, addr) in &raw {
+        for &(transport, us, addr) in &raw {
             let mut cs: Vec<Box<dyn Client>> = Vec::new();
             for _ in 0..n {
-                cs.push(Box::new(clients::RawTcp::connect(addr, s)?));
+                cs.push(Box::new(clients::RawTcp::connect(
+                    addr,
+                    Duration::from_micros(us),
+                )?));
             }
             groups.push(Group {
                 path: "raw_tcp",
@@ -531,6 +569,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 index_cache: "-",
                 owner: "-",
                 owner_cpu: OwnerCpu::None,
+                owner_spin: None,
+                spin_us: Some(us),
                 clients: cs,
                 runs: vec![1],
             });
@@ -583,6 +623,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 owner: g.owner,
                 clients: g.clients.len(),
                 run,
+                spin_us: g.spin_us,
                 ops_per_sec: median(ss.iter().map(|s| s.ops_per_sec).collect()),
                 p50_us: median(ss.iter().map(|s| s.p50_us).collect()),
                 p99_us: median(ss.iter().map(|s| s.p99_us).collect()),
@@ -594,6 +635,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 validation_failures: c.validation_failures,
                 fallbacks: c.fallbacks,
                 repeats_ops_per_sec: ss.iter().map(|s| s.ops_per_sec).collect(),
+                reader_spin: sum_spin(ss.iter().map(|s| s.reader_spin)),
+                owner_spin: sum_spin(ss.iter().map(|s| s.owner_spin)),
             });
         }
     }
@@ -650,10 +693,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     } else {
         println!("remote: {machine}");
         println!(
-            "params: {pages} pages of {PAGE} B, {secs} s x {runs} runs per row (medians), tcp spin {} us",
+            "params: {pages} pages of {PAGE} B, {secs} s x {runs} runs per row (medians), tcp spin {:?} us (targets: the first)",
             a.spin_us
         );
         print!("{}", table(&rows));
+        let polling = summary::spin_table(&rows);
+        if !polling.is_empty() {
+            println!(
+                "tcp polling (counts summed over repeats; caught: spins that caught their message; closed/cooling/no budget: waits that did not spin, and why):"
+            );
+            print!("{polling}");
+        }
         for n in &notes {
             println!("note: {n}");
         }
@@ -675,4 +725,24 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("{wrong} wrong reads");
     }
     Ok(())
+}
+
+/// The counts of several repeats added up (`None` if none has any).
+fn sum_spin(it: impl Iterator<Item = Option<SpinStats>>) -> Option<SpinStats> {
+    it.flatten().reduce(|a, b| SpinStats {
+        waiters: b.waiters,
+        busy: b.busy,
+        cap: b.cap,
+        waits: a.waits + b.waits,
+        spins: a.spins + b.spins,
+        caught: a.caught + b.caught,
+        preempted: a.preempted + b.preempted,
+        closed: a.closed + b.closed,
+        probes: a.probes + b.probes,
+        cooling: a.cooling + b.cooling,
+        no_budget: a.no_budget + b.no_budget,
+        blocks: a.blocks + b.blocks,
+        long_blocks: a.long_blocks + b.long_blocks,
+        window_ns: a.window_ns + b.window_ns,
+    })
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use pagewire_node::pattern;
+use pagewire_rdma::tcp::{SpinStats, spin_stats};
 
 use super::clients::{Client, Counters, PAGE};
 use super::{cluster, owner};
@@ -22,6 +23,11 @@ pub(super) struct Group {
     pub(super) index_cache: &'static str,
     pub(super) owner: &'static str,
     pub(super) owner_cpu: OwnerCpu,
+    /// The owner's tcp responder counters (the bench's own owner process).
+    pub(super) owner_spin: Option<owner::SpinProbe>,
+    /// tcp groups: their readers' spin, which the bench's owner is set to
+    /// before each measurement.
+    pub(super) spin_us: Option<u64>,
     pub(super) clients: Vec<Box<dyn Client>>,
     pub(super) runs: Vec<usize>,
 }
@@ -33,6 +39,10 @@ pub(super) struct Sample {
     pub(super) owner_cpu_us: Option<f64>,
     pub(super) reader_cpu_us: Option<f64>,
     pub(super) counters: Counters,
+    /// tcp rows: how this process's readers polled during the row.
+    pub(super) reader_spin: Option<SpinStats>,
+    /// tcp rows of the bench's owner: how its responder polled.
+    pub(super) owner_spin: Option<SpinStats>,
 }
 
 /// Whose CPU a row's owner CPU is.
@@ -61,6 +71,9 @@ pub(super) fn new_hist() -> Histogram<u64> {
 
 /// Runs every client of `g` for `secs` on runs of `run` pages.
 pub(super) fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyhow::Result<Sample> {
+    if let (Some(us), Some(p)) = (g.spin_us, &g.owner_spin) {
+        p.set_spin_us(us)?;
+    }
     let n = g.clients.len();
     let stop = Arc::new(AtomicBool::new(false));
     let start = Arc::new(Barrier::new(n + 1));
@@ -90,6 +103,11 @@ pub(super) fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyho
             })
         })
         .collect();
+    let tcp = g.transport.starts_with("tcp");
+    let spin0 = (
+        tcp.then(|| spin_stats().0),
+        g.owner_spin.as_ref().and_then(|p| p.read()),
+    );
     let cpu0 = g.owner_cpu.read();
     let me = OwnerCpu::Pid(std::process::id());
     let reader0 = me.read();
@@ -112,6 +130,10 @@ pub(super) fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyho
     let el = t0.elapsed().as_secs_f64();
     let cpu1 = g.owner_cpu.read();
     let reader1 = me.read();
+    let spin1 = (
+        tcp.then(|| spin_stats().0),
+        g.owner_spin.as_ref().and_then(|p| p.read()),
+    );
     if let Some(e) = first_err {
         return Err(e);
     }
@@ -123,6 +145,8 @@ pub(super) fn measure(g: &mut Group, run: usize, pages: u64, secs: f64) -> anyho
         owner_cpu_us: cpu0.zip(cpu1).map(|(a, b)| (b - a) / reads),
         reader_cpu_us: reader0.zip(reader1).map(|(a, b)| (b - a) / reads),
         counters,
+        reader_spin: spin1.0.zip(spin0.0).map(|(b, a)| b.since(&a)),
+        owner_spin: spin1.1.zip(spin0.1).map(|(b, a)| b.since(&a)),
     })
 }
 

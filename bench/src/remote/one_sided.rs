@@ -26,6 +26,8 @@ pub(super) struct OneSidedTarget {
     pub(super) tcp: RegionDescriptor,
     /// The verbs control endpoint, when the owner serves verbs.
     pub(super) verbs: Option<(String, RegionDescriptor)>,
+    /// The owner's tcp polling counters, when it can tell them.
+    pub(super) spin: Option<super::owner::SpinProbe>,
 }
 
 /// A tmpfs folder for the `shm` owner (/dev/shm when there is one).
@@ -68,6 +70,8 @@ pub(super) fn daemon_target(c: &cluster::Cluster, cpu: OwnerCpu) -> Option<OneSi
         tcp_addr: tcp.endpoint.parse().ok()?,
         tcp: desc(tcp),
         verbs: kind("verbs").map(|t| (t.endpoint.clone(), desc(t))),
+        // The daemon's responder counters are not exported.
+        spin: None,
     })
 }
 

@@ -8,10 +8,10 @@
 //! `pagewire-bench remote-owner ...`, reads one JSON line of descriptors from
 //! its stdout, and ends it by closing its stdin.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,12 +20,20 @@ use anyhow::{Context, bail};
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache};
 use pagewire_rdma::shm::ShmOwner;
-use pagewire_rdma::tcp::{OwnerConfig, TcpOwner};
+use pagewire_rdma::tcp::{OwnerConfig, SpinStats, TcpOwner};
 use pagewire_rdma::{LocalRegion, MemoryOwner, RegionDescriptor};
 use serde::{Deserialize, Serialize};
 
 /// Name of the `shm` owner inside its directory.
 const SHM_NAME: &str = "owner";
+
+/// The line that asks the owner process for its responder's polling
+/// counters (it answers one JSON [`SpinStats`] line).
+const SPIN_STATS: &str = "spin-stats";
+
+/// `spin-us N`: the owner's responder polls for N µs from now on (answered
+/// like [`SPIN_STATS`]).
+const SET_SPIN: &str = "spin-us ";
 
 /// Options of the hidden `remote-owner` subcommand.
 #[derive(clap::Args, Debug, Clone)]
@@ -115,9 +123,29 @@ pub fn serve(a: &OwnerArgs) -> anyhow::Result<()> {
     writeln!(out, "{}", serde_json::to_string(&served)?)?;
     out.flush()?;
     drop(out);
-    // Serve until the parent closes our stdin (or dies).
-    let mut sink = Vec::new();
-    let _ = std::io::stdin().read_to_end(&mut sink);
+    // Serve until the parent closes our stdin (or dies), answering each
+    // `spin-stats` line with the responder's polling counters.
+    let mut line = String::new();
+    let mut stdin = std::io::stdin().lock();
+    loop {
+        line.clear();
+        match stdin.read_line(&mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let line = line.trim();
+        if let Some(us) = line.strip_prefix(SET_SPIN) {
+            let us: u64 = us.trim().parse().context("spin-us from the parent")?;
+            responder.set_spin(Duration::from_micros(us));
+        } else if line != SPIN_STATS {
+            continue;
+        }
+        // Every command is answered with the counters as they are now.
+        let (_, responder) = pagewire_rdma::tcp::spin_stats();
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", serde_json::to_string(&responder)?)?;
+        out.flush()?;
+    }
     drop(tcp_region);
     drop(responder);
     drop(cache);
@@ -128,8 +156,43 @@ pub fn serve(a: &OwnerArgs) -> anyhow::Result<()> {
 /// The parent's handle on a running owner process; ends it on drop.
 pub struct OwnerProcess {
     child: Child,
-    stdin: Option<ChildStdin>,
+    pipe: Arc<std::sync::Mutex<Pipe>>,
     pub served: Served,
+}
+
+/// The owner's stdin and stdout: closing stdin ends it.
+pub struct Pipe {
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+}
+
+/// Asks a running owner process for its responder's polling counters.
+#[derive(Clone)]
+pub struct SpinProbe(Arc<std::sync::Mutex<Pipe>>);
+
+impl SpinProbe {
+    /// The owner's [`SpinStats`] now, or `None` if it does not answer.
+    pub fn read(&self) -> Option<SpinStats> {
+        self.command(SPIN_STATS)
+    }
+
+    /// Sets the owner's responder spin (every serving thread takes it up at
+    /// its next request).
+    pub fn set_spin_us(&self, us: u64) -> anyhow::Result<()> {
+        self.command(&format!("{SET_SPIN}{us}"))
+            .map(drop)
+            .context("the owner process did not take the new spin")
+    }
+
+    fn command(&self, cmd: &str) -> Option<SpinStats> {
+        let mut p = self.0.lock().ok()?;
+        let stdin = p.stdin.as_mut()?;
+        writeln!(stdin, "{cmd}").ok()?;
+        stdin.flush().ok()?;
+        let mut line = String::new();
+        p.stdout.read_line(&mut line).ok()?;
+        serde_json::from_str(line.trim()).ok()
+    }
 }
 
 impl OwnerProcess {
@@ -160,8 +223,9 @@ impl OwnerProcess {
             .spawn()
             .context("starting the owner process")?;
         let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().context("owner stdout")?);
         let mut line = String::new();
-        BufReader::new(child.stdout.take().context("owner stdout")?)
+        stdout
             .read_line(&mut line)
             .context("reading the owner's descriptors")?;
         if line.trim().is_empty() {
@@ -171,7 +235,7 @@ impl OwnerProcess {
         let served: Served = serde_json::from_str(line.trim()).context("owner's descriptors")?;
         Ok(Self {
             child,
-            stdin,
+            pipe: Arc::new(std::sync::Mutex::new(Pipe { stdin, stdout })),
             served,
         })
     }
@@ -179,11 +243,18 @@ impl OwnerProcess {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// A handle that reads the owner's polling counters.
+    pub fn spin_probe(&self) -> SpinProbe {
+        SpinProbe(Arc::clone(&self.pipe))
+    }
 }
 
 impl Drop for OwnerProcess {
     fn drop(&mut self) {
-        drop(self.stdin.take());
+        if let Ok(mut p) = self.pipe.lock() {
+            drop(p.stdin.take());
+        }
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while std::time::Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {

@@ -91,6 +91,7 @@ pub(super) fn perftest_rows(
             owner: "-",
             clients: 1,
             run: 1,
+            spin_us: None,
             ops_per_sec: ops,
             p50_us: p50,
             p99_us: p99,
@@ -102,6 +103,8 @@ pub(super) fn perftest_rows(
             validation_failures: 0,
             fallbacks: 0,
             repeats_ops_per_sec: vec![ops],
+            reader_spin: None,
+            owner_spin: None,
         };
         match (tool, nums.as_slice()) {
             // bytes iters t_min t_max t_typical t_avg t_stdev p99 p99.9

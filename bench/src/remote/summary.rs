@@ -22,6 +22,7 @@ pub(super) fn table(rows: &[Row]) -> String {
         "owner",
         "clients",
         "run",
+        "spin us",
         "ops/s",
         "p50 us",
         "p99 us",
@@ -43,6 +44,7 @@ pub(super) fn table(rows: &[Row]) -> String {
                 r.owner.into(),
                 r.clients.to_string(),
                 r.run.to_string(),
+                r.spin_us.map_or("-".into(), |us| us.to_string()),
                 format!("{:.0}", r.ops_per_sec),
                 format!("{:.2}", r.p50_us),
                 format!("{:.2}", r.p99_us),
@@ -58,6 +60,71 @@ pub(super) fn table(rows: &[Row]) -> String {
             ]
         })
         .collect();
+    report::table(&head, &body)
+}
+
+/// How the tcp rows' readers and the owner's responder polled: a line per
+/// row and side that has counters.
+pub(super) fn spin_table(rows: &[Row]) -> String {
+    let head = [
+        "path",
+        "transport",
+        "index",
+        "clients",
+        "run",
+        "spin us",
+        "side",
+        "waiters",
+        "busy",
+        "cap",
+        "waits",
+        "spins",
+        "caught",
+        "preempted",
+        "closed",
+        "probes",
+        "cooling",
+        "no budget",
+        "blocks",
+        "long blocks",
+        "mean window us",
+    ];
+    let mut body = Vec::new();
+    for r in rows {
+        for (side, st) in [("reader", r.reader_spin), ("owner", r.owner_spin)] {
+            // Rows whose waits never began (spin 0, the raw ping-pong) say
+            // nothing.
+            let Some(st) = st.filter(|st| st.waits > 0) else {
+                continue;
+            };
+            body.push(vec![
+                r.path.into(),
+                r.transport.into(),
+                r.index_cache.into(),
+                r.clients.to_string(),
+                r.run.to_string(),
+                r.spin_us.map_or("-".into(), |us| us.to_string()),
+                side.into(),
+                st.waiters.to_string(),
+                st.busy.to_string(),
+                st.cap.to_string(),
+                st.waits.to_string(),
+                st.spins.to_string(),
+                st.caught.to_string(),
+                st.preempted.to_string(),
+                st.closed.to_string(),
+                st.probes.to_string(),
+                st.cooling.to_string(),
+                st.no_budget.to_string(),
+                st.blocks.to_string(),
+                st.long_blocks.to_string(),
+                format!("{:.1}", st.mean_window_us()),
+            ]);
+        }
+    }
+    if body.is_empty() {
+        return String::new();
+    }
     report::table(&head, &body)
 }
 
