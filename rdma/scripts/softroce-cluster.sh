@@ -764,7 +764,9 @@ if grep -q '^VERDICT PASS' <<<"$verdict" && [[ $ctl_rc == 0 ]]; then
     exit 0
 fi
 echo "SOFTROCE-CLUSTER FAIL: $mode (VM0 qemu rc=$ctl_rc, ${t_total}s); see $dir/console-*.log and $dir/work/out"
-for f in "$dir/work/out/storm-stderr.log" "$dir/console-ctl.log"; do
+# The remote's stderr too: its error line is the only trace of why it
+# exited non-zero (its JSON is written only at the end).
+for f in "$dir/work/out/storm-stderr.log" "$dir/work/out/remote-stderr.log" "$dir/console-ctl.log"; do
     [[ -s $f ]] || continue
     echo "----- $f (last 30 lines)"
     tail -n 30 "$f" | tr -d '\r'
