@@ -96,6 +96,7 @@ impl BackingFile {
     }
 
     /// Valid bytes of `page` (page_size except maybe for the last page).
+    #[inline]
     pub fn page_len(&self, page: u64) -> usize {
         let start = page * self.page_size as u64;
         (self.len - start).min(self.page_size as u64) as usize

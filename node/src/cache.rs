@@ -21,13 +21,13 @@
 //!   frame, then acknowledge.
 
 use crate::backing::BackingFile;
-use crate::core::Dropped;
-use crate::core::{Core, Lost, Sweep};
+use crate::core::{Core, Dropped, Lost, Sweep};
 use crate::error::{OpenError, ReadError, WriteError};
 use crate::flight::{Began, Claim, Claimed, Closes, Flights};
 use crate::ghost::GhostSet;
 use crate::index::{Index, IndexKind, Lockless};
 use crate::layout::{IndexCode, RegionLayout};
+use crate::page_ref::{Held, PageRef};
 use crate::policy::{Admission, CachePolicy, Eviction};
 use crate::raw::frames::Frames;
 use crate::raw::region::Region;
@@ -53,9 +53,8 @@ pub struct CacheConfig {
     /// Bind the region to this NUMA node (needs feature `numa`).
     pub numa_node: Option<usize>,
     /// Pages per extent of the ownership map: readahead stops at the end of
-    /// the faulting page's extent. 0: no extents (readahead bounded by the
-    /// file only). A node learns it from the map and sets it with
-    /// [`PageCache::set_extent_pages`].
+    /// the faulting page's extent (0: no extents, only the file bounds it).
+    /// A node learns it from the map ([`PageCache::set_extent_pages`]).
     pub extent_pages: u64,
 }
 
@@ -112,80 +111,6 @@ pub struct PageCache<I: Index = Lockless> {
     ghost: GhostSet,
 }
 
-/// A page read: a reference to its cached frame, which cannot be reused
-/// while it lives (zero-copy; dropping it releases the frame), or, for a
-/// page the admission policy kept out of the cache, a private copy.
-pub struct PageRef<'a> {
-    inner: Held<'a>,
-    len: usize,
-}
-
-enum Held<'a> {
-    Frame {
-        frames: &'a Frames,
-        frame: u32,
-    },
-    /// The page's bytes at `buf[off..]` (aligned for O_DIRECT).
-    Uncached {
-        buf: Vec<u8>,
-        off: usize,
-    },
-}
-
-impl PageRef<'_> {
-    /// The frame holding the page; `None` if the page was not admitted to
-    /// the cache (it has no location anyone may be told about).
-    pub fn frame(&self) -> Option<u32> {
-        match self.inner {
-            Held::Frame { frame, .. } => Some(frame),
-            Held::Uncached { .. } => None,
-        }
-    }
-
-    /// The frame's generation: odd while published; with the frame it names
-    /// one immutable copy of the page (not a per-page version: a page faulted
-    /// into another frame can get a smaller number). `None` if the page was
-    /// not admitted.
-    pub fn frame_generation(&self) -> Option<u64> {
-        match self.inner {
-            Held::Frame { frames, frame } => Some(
-                frames
-                    .header(frame)
-                    .generation
-                    .load(crate::sync::Ordering::Relaxed),
-            ),
-            Held::Uncached { .. } => None,
-        }
-    }
-
-    /// Whether the page is in the cache (false: served from the backing
-    /// file without being admitted).
-    pub fn is_cached(&self) -> bool {
-        matches!(self.inner, Held::Frame { .. })
-    }
-}
-
-impl std::ops::Deref for PageRef<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match &self.inner {
-            // SAFETY: we hold a reference on the frame (taken by a successful
-            // lookup or fault), so it is not freed or refilled until our drop;
-            // the slice borrows `self`, so it cannot outlive that reference.
-            Held::Frame { frames, frame } => unsafe { &frames.region().frame(*frame)[..self.len] },
-            Held::Uncached { buf, off } => &buf[*off..*off + self.len],
-        }
-    }
-}
-
-impl Drop for PageRef<'_> {
-    fn drop(&mut self) {
-        if let Held::Frame { frames, frame } = self.inner {
-            frames.put(frame);
-        }
-    }
-}
-
 /// What a fill did with the first page of its run.
 enum First {
     /// Published; its frame, with a reference held.
@@ -207,10 +132,8 @@ enum Faulted {
 /// A per-thread xorshift64* generator for eviction samples.
 fn next_random() -> u64 {
     thread_local! {
-        static RNG: Cell<u64> = Cell::new({
-            let seed = &RNG as *const _ as u64;
-            (seed ^ 0x9E37_79B9_7F4A_7C15) | 1
-        });
+        // Seeded by the thread's own address.
+        static RNG: Cell<u64> = Cell::new((&RNG as *const _ as u64 ^ 0x9E37_79B9_7F4A_7C15) | 1);
     }
     RNG.with(|r| {
         let mut x = r.get();
@@ -417,6 +340,7 @@ impl<I: Index> PageCache<I> {
         Ok(())
     }
 
+    #[inline(always)]
     fn page_ref(&self, page: u64, frame: u32) -> PageRef<'_> {
         PageRef {
             inner: Held::Frame {
@@ -428,30 +352,51 @@ impl<I: Index> PageCache<I> {
     }
 
     /// The page if it is cached, without faulting it in.
-    #[inline]
+    #[inline(always)]
     pub fn lookup(&self, page: u64) -> Option<PageRef<'_>> {
+        Some(self.page_ref(page, self.hit(page)?))
+    }
+
+    /// A hit's frame, with a reference held and counted.
+    #[inline(always)]
+    fn hit(&self, page: u64) -> Option<u32> {
         let mut retries = 0;
         let hit = self.core.lookup(page, &mut retries);
         self.stats.add(Counter::Retries, retries);
         let f = hit?;
         self.stats.add(Counter::Hits, 1);
-        Some(self.page_ref(page, f))
+        Some(f)
     }
 
     /// The page, faulted in from the backing file on a miss (zero-copy).
-    #[inline]
+    /// The `PageRef` is built after the hit and miss paths meet, so a hit
+    /// hands it back in registers.
+    #[inline(always)]
     pub fn get(&self, page: u64) -> Result<PageRef<'_>, ReadError> {
-        if let Some(r) = self.lookup(page) {
-            return Ok(r);
-        }
-        self.check_page(page)?;
-        Ok(match self.fault(page)? {
-            Faulted::Frame(f) => self.page_ref(page, f),
-            Faulted::Uncached { buf, off } => PageRef {
-                inner: Held::Uncached { buf, off },
-                len: self.file.page_len(page),
+        let inner = match self.hit(page) {
+            Some(frame) => Held::Frame {
+                frames: &self.core.frames,
+                frame,
             },
+            None => match self.get_missed(page)? {
+                Faulted::Frame(frame) => Held::Frame {
+                    frames: &self.core.frames,
+                    frame,
+                },
+                Faulted::Uncached { buf, off } => Held::Uncached(Box::new((buf, off))),
+            },
+        };
+        Ok(PageRef {
+            inner,
+            len: self.file.page_len(page),
         })
+    }
+
+    /// [`PageCache::get`] after a miss, out of line: the hit path inlines.
+    #[inline(never)]
+    fn get_missed(&self, page: u64) -> Result<Faulted, ReadError> {
+        self.check_page(page)?;
+        self.fault(page)
     }
 
     /// Copy the page into `buf` (at least the page's length); returns the

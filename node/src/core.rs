@@ -64,7 +64,7 @@ impl<I: Index> Core<I> {
     }
 
     /// Find `page`; on a hit the caller owns one reference on the frame.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn lookup(&self, page: u64, retries: &mut u64) -> Option<u32> {
         self.index.get(&self.frames, page, retries)
     }

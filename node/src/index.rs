@@ -241,7 +241,7 @@ impl Index for Lockless {
         Self(RawIndex::new(frames))
     }
 
-    #[inline]
+    #[inline(always)]
     fn get(&self, frames: &FrameTable, page: u64, retries: &mut u64) -> Option<u32> {
         self.0.get(frames, page, retries)
     }

@@ -46,6 +46,8 @@ mod flight;
 mod ghost;
 #[cfg(not(loom))]
 pub mod numa;
+#[cfg(not(loom))]
+mod page_ref;
 
 #[cfg(all(test, loom))]
 mod loom_models;
@@ -53,11 +55,12 @@ mod loom_models;
 #[cfg(not(loom))]
 pub use backing::BackingFile;
 #[cfg(not(loom))]
-pub use cache::{CacheConfig, Evicted, PageCache, PageRef, RegionView};
+pub use cache::{CacheConfig, Evicted, PageCache, RegionView};
 /// The node config file's decoder, for the fuzz targets (`fuzz/`).
 #[cfg(not(loom))]
 #[doc(hidden)]
 pub use daemon::config::check_config_text;
 pub use error::{BackingError, OpenError, ReadError, WriteError};
 pub use index::{Index, IndexKind};
+pub use page_ref::PageRef;
 pub use stats::Stats;

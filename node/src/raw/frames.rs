@@ -512,7 +512,7 @@ impl Frames {
     /// in every reader's cache instead of bouncing on a store).
     /// Under `lru` it refreshes the frame's stamp instead, the same way: a
     /// load, and a store only if the clock moved since.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn touch(&self, f: u32) {
         use std::sync::atomic::Ordering::Relaxed;
         if self.stamp_mode.load(Relaxed) == STAMP_ON_HIT {

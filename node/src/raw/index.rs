@@ -211,8 +211,33 @@ impl RawIndex {
     /// Lookup with Piggin's protocol. Returns the frame, with a reference the
     /// caller must `put`, or `None` on a miss. `retries` counts failed
     /// rechecks and lost races.
-    #[inline]
+    ///
+    /// The common cases (a hit in the head bucket, a miss with no overflow
+    /// chain) are inlined into the caller, so a zero-copy hit makes no call;
+    /// a failed recheck and the overflow chain go to
+    /// [`RawIndex::get_slow`], which runs every step again from the start.
+    #[inline(always)]
     pub(crate) fn get(&self, frames: &Frames, page: u64, retries: &mut u64) -> Option<u32> {
+        let key = key_of(page);
+        let head = Self::head(frames, page);
+        if let Some((slot, val)) = Self::scan(head, key) {
+            if let Some(f) = Self::try_slot(frames, page, key, slot, val) {
+                return Some(f);
+            }
+            *retries += 1;
+            crate::sync::retry_hint();
+        } else if ctrl::next(head.ctrl.load(Ordering::Acquire)).is_none() {
+            // Acquire: pairs with the Release store that linked a bucket.
+            return None;
+        }
+        Self::get_slow(frames, page, retries)
+    }
+
+    /// [`RawIndex::get`] from the start, every step of it: after a failed
+    /// recheck, or when the head bucket has an overflow chain.
+    #[cold]
+    #[inline(never)]
+    fn get_slow(frames: &Frames, page: u64, retries: &mut u64) -> Option<u32> {
         let key = key_of(page);
         let head = Self::head(frames, page);
         loop {
@@ -317,7 +342,7 @@ impl RawIndex {
 
     /// Steps 2–4 of the protocol on one candidate slot: get unless zero,
     /// recheck header and slot, or drop and report failure.
-    #[inline]
+    #[inline(always)]
     fn try_slot(frames: &Frames, page: u64, key: u64, slot: &Slot, val: u64) -> Option<u32> {
         let f = val_frame(val);
         if f as usize >= frames.count() || !frames.try_get(f) {
