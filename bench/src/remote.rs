@@ -644,13 +644,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if want("perftest") {
         // One perftest run per repeat, interleaved with the rows above
         // (drift hits it alike); the medians go in the table.
+        // By tool: a repeat may have skipped one (its output unusable).
         let mut by_tool: Vec<Vec<Row>> = Vec::new();
-        for r in perftest_runs {
-            for (k, row) in r.into_iter().enumerate() {
-                if by_tool.len() <= k {
-                    by_tool.push(Vec::new());
-                }
-                by_tool[k].push(row);
+        for row in perftest_runs.into_iter().flatten() {
+            match by_tool.iter_mut().find(|g| g[0].transport == row.transport) {
+                Some(g) => g.push(row),
+                None => by_tool.push(vec![row]),
             }
         }
         for rs in by_tool {
