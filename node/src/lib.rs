@@ -62,5 +62,6 @@ pub use cache::{CacheConfig, Evicted, PageCache, RegionView};
 pub use daemon::config::check_config_text;
 pub use error::{BackingError, OpenError, ReadError, WriteError};
 pub use index::{Index, IndexKind};
+#[cfg(not(loom))]
 pub use page_ref::PageRef;
 pub use stats::Stats;
