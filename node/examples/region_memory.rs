@@ -4,7 +4,11 @@
 //! copy-out hits over a preloaded file, interleaved, medians printed, with
 //! the AnonHugePages / ShmemPmdMapped the kernel actually gave.
 //!
-//! `cargo run --release -p pagewire-node --example region_memory -- [MiB] [rounds]`
+//! `cargo run --release -p pagewire-node --example region_memory -- [MiB] [rounds] [SHM_DIR]`
+//!
+//! SHM_DIR (default /dev/shm) holds the region file: a tmpfs mounted with
+//! `huge=always` (or `within_size`) gives the shared mapping huge pages
+//! whatever `/sys/kernel/mm/transparent_hugepage/shmem_enabled` says.
 
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache, pattern};
@@ -24,6 +28,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mib: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(256);
     let rounds: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
+    let shm_dir = args.next().map(std::path::PathBuf::from);
     let dir = std::env::temp_dir().join(format!("pagewire-regmem-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("data");
@@ -34,7 +39,10 @@ fn main() {
         ..Default::default()
     };
     let private = PageCache::<Lockless>::open_on(&path, cfg.clone(), None).unwrap();
-    let owner = ShmOwner::create("pagewire-regmem").unwrap();
+    let owner = match &shm_dir {
+        Some(d) => ShmOwner::create_in(d, "pagewire-regmem").unwrap(),
+        None => ShmOwner::create("pagewire-regmem").unwrap(),
+    };
     let region = owner
         .register(PageCache::<Lockless>::region_len(4096, cfg.frames))
         .unwrap();
@@ -79,7 +87,11 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    for (k, name) in ["private (THP)", "shm file"].iter().enumerate() {
+    let shm_name = format!(
+        "shm file in {}",
+        shm_dir.as_deref().unwrap_or("/dev/shm".as_ref()).display()
+    );
+    for (k, name) in ["private (THP)", shm_name.as_str()].iter().enumerate() {
         println!(
             "{name:>14}: zero-copy {:.0} ns, copy-out {:.0} ns per random hit ({mib} MiB, median of {rounds})",
             med(&mut res[k][0]),
