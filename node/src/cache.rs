@@ -27,7 +27,7 @@ use crate::flight::{Began, Claim, Claimed, Closes, Flights};
 use crate::ghost::GhostSet;
 use crate::index::{Index, IndexKind, Lockless};
 use crate::layout::{IndexCode, RegionLayout};
-use crate::page_ref::{Held, PageRef};
+use crate::page_ref::{Held, PageRef, Pin};
 use crate::policy::{Admission, CachePolicy, Eviction};
 use crate::raw::frames::Frames;
 use crate::raw::region::Region;
@@ -392,6 +392,34 @@ impl<I: Index> PageCache<I> {
         })
     }
 
+    /// The page's bytes if it is cached, lent for as long as `pin` lives,
+    /// without faulting it in. A hit takes no reference and stores nothing
+    /// shared (with the lockless index): readers of one hot page do not
+    /// contend, unlike [`PageCache::lookup`]'s counted reference. The bytes
+    /// are the page's published copy when it was found (a later write makes
+    /// a new copy; eviction frees the frame only after `pin` drops). There
+    /// is no faulting variant on purpose: a fault may wait for another
+    /// thread's fill, which may wait for frames that wait for this pin. On a
+    /// miss, drop the pin (or finish the batch) and use [`PageCache::get`].
+    #[inline(always)]
+    pub fn lookup_pinned<'p>(&'p self, page: u64, pin: &'p Pin) -> Option<&'p [u8]> {
+        let mut retries = 0;
+        let hit = self.core.lookup_pinned(page, &pin.0, &mut retries);
+        if retries > 0 {
+            self.stats.add(Counter::Retries, retries);
+        }
+        let frame = hit?;
+        self.stats.add(Counter::Hits, 1);
+        let len = self.file.page_len(page);
+        // SAFETY: `frame` was found published as `page` after `pin` was
+        // taken, and every free of a published frame waits for the grace
+        // period of the pins older than it, so the frame is not refilled
+        // while `pin` lives; a published frame's bytes are never written
+        // (writes copy on write). The slice borrows `pin`, so it cannot
+        // outlive it.
+        Some(unsafe { &self.core.frames.region().frame(frame)[..len] })
+    }
+
     /// [`PageCache::get`] after a miss, out of line: the hit path inlines.
     #[inline(never)]
     fn get_missed(&self, page: u64) -> Result<Faulted, ReadError> {
@@ -548,7 +576,9 @@ impl<I: Index> PageCache<I> {
         let first = claims[0].page();
         let mut frames = Vec::with_capacity(claims.len());
         for i in 0..claims.len() {
-            match self.alloc_frame() {
+            // Readahead takes what is free now; only the demanded page
+            // waits out grace periods.
+            match self.alloc_frame_waiting(i == 0) {
                 Ok(f) => frames.push(f),
                 Err(e) if i == 0 => return Err(e),
                 Err(_) => break,
@@ -656,21 +686,69 @@ impl<I: Index> PageCache<I> {
         READAHEAD.with(|ra| ra.set((id, page + read as u64, read.saturating_sub(1))));
     }
 
-    /// A free frame, evicting if there is none.
+    /// A free frame, evicting if there is none, or, in a cache of at least
+    /// 64 eviction batches, if the frames free and waiting fall below one
+    /// batch: frames an eviction frees reach the free list only after their
+    /// grace period, so the next batch starts while the list still has
+    /// frames, and a miss rarely waits for one. (A smaller cache keeps its
+    /// policy's exact order: it evicts only when it has no frame.)
     fn alloc_frame(&self) -> Result<u32, ReadError> {
+        self.alloc_frame_waiting(true)
+    }
+
+    /// [`PageCache::alloc_frame`]; with `wait`, a thread that holds no pin
+    /// waits up to 250 ms for frames in their grace period before it
+    /// reports `NoFrame` (a pinned thread descheduled on a loaded machine
+    /// holds every grace period up for its time off the CPU).
+    fn alloc_frame_waiting(&self, wait: bool) -> Result<u32, ReadError> {
+        let batch = self.cfg.evict_batch.max(1);
+        let reserve = if self.core.frames.count() / batch >= 64 {
+            batch
+        } else {
+            0
+        };
         for _ in 0..8 {
             if let Some(f) = self.core.frames.alloc() {
+                if self.core.frames.free_count() < reserve {
+                    self.reclaim(batch);
+                }
                 return Ok(f);
             }
-            self.reclaim(self.cfg.evict_batch.max(1));
+            self.reclaim(batch);
         }
-        self.core.frames.alloc().ok_or(ReadError::NoFrame)
+        if let Some(f) = self.core.frames.alloc() {
+            return Ok(f);
+        }
+        // Frames freed but waiting for their grace period wait for pins
+        // older than their free (`lookup_pinned` hits, and the brief pins of
+        // index walks and frees): give those pins time to drop, unless this
+        // thread holds one itself (then they would not drop while it waits).
+        if wait && !crossbeam_epoch::is_pinned() {
+            let mut wait = std::time::Duration::from_micros(20);
+            let mut waited = std::time::Duration::ZERO;
+            while self.core.frames.free_count() > 0
+                && waited < std::time::Duration::from_millis(250)
+            {
+                std::thread::sleep(wait);
+                waited += wait;
+                wait = (wait * 2).min(std::time::Duration::from_millis(5));
+                if let Some(f) = self.core.frames.alloc() {
+                    return Ok(f);
+                }
+            }
+        }
+        Err(ReadError::NoFrame)
     }
 
     /// Free up to `want` frames by the eviction policy: a CLOCK sweep, or
     /// for `lru`/`fifo` the oldest stamp of each random sample. Gives up
     /// after two full turns (CLOCK) or `2 × frames` samples.
     pub fn reclaim(&self, want: usize) -> usize {
+        // One grace-period deferral for the whole batch of frees.
+        self.core.frames.batch_frees(|| self.reclaim_batch(want))
+    }
+
+    fn reclaim_batch(&self, want: usize) -> usize {
         if self.policy().eviction != Eviction::Clock {
             return self.reclaim_sampled(want);
         }
@@ -898,7 +976,10 @@ impl<I: Index> PageCache<I> {
         }
         let began = self.closes.begin();
         let claim = self.flights.claim(page);
-        let f = self.alloc_frame()?;
+        let f = self.alloc_frame().map_err(|e| match e {
+            ReadError::NoFrame => WriteError::NoFrame,
+            e => WriteError::Read(e),
+        })?;
         let ps = self.cfg.page_size;
         let whole = offset == 0 && data.len() == len;
         let filled: Result<(), WriteError> = (|| {

@@ -69,6 +69,18 @@ impl<I: Index> Core<I> {
         self.index.get(&self.frames, page, retries)
     }
 
+    /// Find `page` for a reader pinned by `guard`; no reference is left
+    /// held (the frame is not reused before the guard drops).
+    #[inline(always)]
+    pub(crate) fn lookup_pinned(
+        &self,
+        page: u64,
+        guard: &crossbeam_epoch::Guard,
+        retries: &mut u64,
+    ) -> Option<u32> {
+        self.index.get_pinned(&self.frames, page, guard, retries)
+    }
+
     /// Publish a frame the caller filled (state `Filling`) as `page` and link
     /// it. On success the caller holds one reference on it besides the
     /// index's, so it cannot be evicted before the caller is done. On

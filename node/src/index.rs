@@ -138,6 +138,27 @@ pub trait Index: Send + Sync + 'static {
     #[doc(hidden)]
     fn get(&self, frames: &FrameTable, page: u64, retries: &mut u64) -> Option<u32>;
 
+    /// Find `page` for a reader pinned with crossbeam-epoch's default
+    /// collector (`guard`), leaving no reference held: the frame's bytes
+    /// stay its published copy's until the guard drops, because a
+    /// published frame is freed only after the grace period. This default
+    /// takes a counted reference and drops it while pinned; the lockless
+    /// index overrides it with a lookup that stores nothing.
+    #[doc(hidden)]
+    #[inline(always)]
+    fn get_pinned(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        guard: &crossbeam_epoch::Guard,
+        retries: &mut u64,
+    ) -> Option<u32> {
+        let _ = guard;
+        let f = self.get(frames, page, retries)?;
+        frames.put(f);
+        Some(f)
+    }
+
     /// Link `page → (frame, generation)` unless the page is present; `link`
     /// says whether the (prepared) frame is made visible as it goes in.
     #[doc(hidden)]
@@ -244,6 +265,17 @@ impl Index for Lockless {
     #[inline(always)]
     fn get(&self, frames: &FrameTable, page: u64, retries: &mut u64) -> Option<u32> {
         self.0.get(frames, page, retries)
+    }
+
+    #[inline(always)]
+    fn get_pinned(
+        &self,
+        frames: &FrameTable,
+        page: u64,
+        _guard: &crossbeam_epoch::Guard,
+        retries: &mut u64,
+    ) -> Option<u32> {
+        self.0.get_pinned(frames, page, retries)
     }
 
     fn insert(

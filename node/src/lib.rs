@@ -7,7 +7,10 @@
 //! a local reader.
 //!
 //! * [`PageCache`]: the safe API (lookup, fault-in, copy-out, write-through,
-//!   eviction, stats), generic over an [`index::Index`] variant.
+//!   eviction, stats), generic over an [`index::Index`] variant. A hit is a
+//!   counted [`PageRef`] (`get`, `lookup`), or bytes lent under an epoch
+//!   [`Pin`] with no shared store (`lookup_pinned`, for hot pages read by
+//!   many threads).
 //! * [`raw`] (internal): the lock-free core, each module opening with its
 //!   protocol.
 //! * [`daemon`]: the node daemon; it reads pages other nodes own with
@@ -63,5 +66,5 @@ pub use daemon::config::check_config_text;
 pub use error::{BackingError, OpenError, ReadError, WriteError};
 pub use index::{Index, IndexKind};
 #[cfg(not(loom))]
-pub use page_ref::PageRef;
+pub use page_ref::{PageRef, Pin};
 pub use stats::Stats;

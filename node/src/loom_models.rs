@@ -147,6 +147,97 @@ fn cow_publish_vs_reader() {
     });
 }
 
+/// A guard-scoped reader (no reference) looks up page 1 while the owner
+/// evicts it and tries to reuse the only frame for page 2. The reader gets
+/// page 1's bytes, whole, or a miss; loom's cell tracking fails the model if
+/// the refill could write the frame while the pinned reader reads it. The
+/// refill gets the frame only once the reader has unpinned (or before it
+/// pinned).
+#[test]
+fn pinned_lookup_vs_evict_and_reuse() {
+    builder().check(|| {
+        let c = Arc::new(core(1));
+        let f = insert(&c, 1, 0x11).unwrap();
+        c.frames.put(f);
+        let generation = c.index.peek(&c.frames, 1).unwrap().1;
+
+        let reader = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                let mut retries = 0;
+                if let Some(f) = c.lookup_pinned(1, &guard, &mut retries) {
+                    assert_eq!(read_tag(&c, f), 0x11);
+                }
+                drop(guard);
+            })
+        };
+        if c.remove_frame(1, f, generation) == Sweep::Evicted {
+            // No frame while the reader stays pinned: the free waits for it.
+            if let Some(g) = c.frames.alloc() {
+                assert_eq!(g, f, "the only frame is reused");
+                // SAFETY: `alloc` gave us the frame in state Filling.
+                unsafe { c.frames.region().fill(g, |b| b.fill(0x22)) };
+                let g = c.insert_filled(2, g, PS as u32).unwrap();
+                c.frames.put(g);
+            }
+        }
+        reader.join().unwrap();
+        c.frames.settle();
+        assert_eq!(
+            c.frames.free_count() + c.index.peek(&c.frames, 2).map_or(0, |_| 1),
+            1,
+            "the frame is lost or counted twice"
+        );
+    });
+}
+
+/// A guard-scoped reader of page 3 races two copy-on-writes of it, the
+/// second of which reuses the first copy's frame (once the grace period
+/// allows). The reader sees one copy's bytes, whole, never a frame being
+/// refilled; after the writes every lookup sees the last copy.
+#[test]
+fn pinned_lookup_vs_cow_and_reuse() {
+    let mut b = builder();
+    b.preemption_bound = Some(2);
+    b.check(|| {
+        let c = Arc::new(core(2));
+        let first = insert(&c, 3, 0x30).unwrap();
+        c.frames.put(first);
+
+        let reader = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                let guard = crossbeam_epoch::pin();
+                let mut retries = 0;
+                let f = c
+                    .lookup_pinned(3, &guard, &mut retries)
+                    .expect("page 3 is always indexed");
+                let tag = read_tag(&c, f);
+                assert!((0x30..=0x32).contains(&tag), "tag {tag:#x}");
+                drop(guard);
+            })
+        };
+        let mut last = 0x30;
+        for tag in [0x31, 0x32] {
+            // The second write may find no frame: the first copy's waits
+            // for the pinned reader.
+            let Some(n) = c.frames.alloc() else { break };
+            // SAFETY: `alloc` gave us the frame exclusively.
+            unsafe { c.frames.region().fill(n, |b| b.fill(tag)) };
+            c.publish_cow(3, n, PS as u32).unwrap();
+            last = tag;
+        }
+        // Acknowledged: from here on no lookup may return an older copy.
+        let guard = crossbeam_epoch::pin();
+        let mut retries = 0;
+        let g = c.lookup_pinned(3, &guard, &mut retries).unwrap();
+        assert_eq!(read_tag(&c, g), last);
+        drop(guard);
+        reader.join().unwrap();
+    });
+}
+
 /// A reader walking an overflow bucket races the removal that empties and
 /// unlinks it and an insert that reuses it (through the epoch) for another
 /// chain. Pages 0..=3 share bucket 0 of a 4-bucket index... we pick pages by

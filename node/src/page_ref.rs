@@ -1,7 +1,10 @@
-//! [`PageRef`]: a page a reader holds. A cached page is a counted
-//! reference to its frame (zero-copy: the frame is not reused until the
-//! reference drops; [`crate::raw::frames`] has the protocol); a page the
-//! admission policy kept out of the cache is a private copy.
+//! What a reader holds. [`PageRef`]: a page, as a counted reference to its
+//! cached frame (zero-copy: the frame is not reused until the reference
+//! drops; [`crate::raw::frames`] has the protocol), or, for a page the
+//! admission policy kept out of the cache, a private copy. [`Pin`]: an
+//! epoch pin under which [`crate::PageCache::lookup_pinned`] lends a page's
+//! bytes with no reference at all (no shared store, so readers of a hot
+//! page scale), for as long as the pin lives.
 
 use crate::raw::frames::Frames;
 
@@ -72,5 +75,36 @@ impl Drop for PageRef<'_> {
         if let Held::Frame { frames, frame } = self.inner {
             frames.put(frame);
         }
+    }
+}
+
+/// A pin of crossbeam-epoch's default collector, for
+/// [`crate::PageCache::lookup_pinned`]: while it lives, no frame a pinned
+/// lookup lent is reused (every free of a published frame waits until
+/// every pin older than the free has dropped). Hold it for a batch of
+/// lookups, not across anything that blocks: frames freed meanwhile stay
+/// out of use until it drops, so a fault, a write or a flight wait made
+/// while this thread holds a pin may find no frame
+/// ([`crate::ReadError::NoFrame`]) in a cache under pressure. Not `Send`:
+/// it belongs to the thread that pinned.
+pub struct Pin(pub(crate) crossbeam_epoch::Guard);
+
+impl Pin {
+    /// Pin this thread (nested pins are cheap).
+    #[inline(always)]
+    pub fn new() -> Self {
+        Self(crossbeam_epoch::pin())
+    }
+}
+
+impl Default for Pin {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pin")
     }
 }

@@ -2,7 +2,9 @@
 
 use pagewire_node::index::{Index, Lockless, Mutexed, RwLocked, Sharded};
 use pagewire_node::policy::{Admission, CachePolicy};
-use pagewire_node::{CacheConfig, Evicted, OpenError, PageCache, ReadError, WriteError, pattern};
+use pagewire_node::{
+    CacheConfig, Evicted, OpenError, PageCache, Pin, ReadError, WriteError, pattern,
+};
 use std::path::PathBuf;
 
 const PS: usize = 4096;
@@ -615,4 +617,114 @@ fn evicting_a_range_unpublishes_held_pages() {
     drop(held);
     assert_eq!(c.free_frames(), free + 2);
     pattern::verify(2, &c.get(2).unwrap()).unwrap();
+}
+
+/// Pages lent under a pin (`lookup_pinned`) keep their bytes while the
+/// page is rewritten, evicted and its frame wanted for other pages; a
+/// lookup after a write under the same pin sees the write; a miss is a
+/// miss (no fault); frames freed meanwhile come back once the pin drops.
+fn pinned_lookups_outlive_writes_and_evictions<I: Index>() {
+    let (_d, path) = file(16, 0);
+    let c = PageCache::<I>::open_with(
+        &path,
+        CacheConfig {
+            readahead_max: 0,
+            ..cfg(4)
+        },
+    )
+    .unwrap();
+    drop((c.get(1).unwrap(), c.get(2).unwrap()));
+    let pin = Pin::new();
+    assert!(
+        c.lookup_pinned(3, &pin).is_none(),
+        "a pinned lookup does not fault"
+    );
+    let hits = c.stats().hits;
+    let one = c.lookup_pinned(1, &pin).unwrap();
+    let two = c.lookup_pinned(2, &pin).unwrap();
+    assert_eq!(c.stats().hits, hits + 2, "pinned hits are counted");
+    assert_eq!(pattern::verify(1, one).unwrap(), 0);
+    assert_eq!(pattern::verify(2, two).unwrap(), 0);
+
+    let mut page = vec![0u8; PS];
+    pattern::fill(1, 1, &mut page);
+    c.write(1, &page).unwrap();
+    assert_eq!(
+        pattern::verify(1, c.lookup_pinned(1, &pin).unwrap()).unwrap(),
+        1,
+        "the write is seen"
+    );
+    assert_eq!(
+        c.evict(2),
+        Evicted::Yes,
+        "a pinned lookup holds no reference"
+    );
+    assert!(c.lookup_pinned(2, &pin).is_none());
+    // Every other page wants a frame; those freed above wait for the pin.
+    let mut no_frame = 0;
+    for p in 3..16 {
+        match c.get(p) {
+            Ok(r) => assert_eq!(pattern::verify(p, &r).unwrap(), 0),
+            Err(ReadError::NoFrame) => no_frame += 1,
+            Err(e) => panic!("page {p}: {e}"),
+        }
+    }
+    assert_eq!(
+        pattern::verify(1, one).unwrap(),
+        0,
+        "lent bytes changed after a write"
+    );
+    assert_eq!(
+        pattern::verify(2, two).unwrap(),
+        0,
+        "lent bytes changed after eviction"
+    );
+    drop(pin);
+    for p in 0..16 {
+        let want = u64::from(p == 1);
+        assert_eq!(
+            pattern::verify(p, &c.get(p).unwrap()).unwrap(),
+            want,
+            "page {p}"
+        );
+    }
+    println!(
+        "{}: {no_frame} of 13 faults under the pin found no frame",
+        I::KIND.name()
+    );
+}
+
+#[test]
+fn pinned_lookups_outlive_writes_and_evictions_every_variant() {
+    pinned_lookups_outlive_writes_and_evictions::<Lockless>();
+    pinned_lookups_outlive_writes_and_evictions::<RwLocked>();
+    pinned_lookups_outlive_writes_and_evictions::<Mutexed>();
+    pinned_lookups_outlive_writes_and_evictions::<Sharded>();
+}
+
+/// A write that finds every frame held by readers reports
+/// `WriteError::NoFrame`, the variant callers match on (it came back as
+/// `WriteError::Read(NoFrame)` before, which the stress writer's
+/// `NoFrame` arm never caught).
+#[test]
+fn a_write_with_every_frame_held_is_no_frame() {
+    let (_d, path) = file(8, 0);
+    let c = PageCache::open(
+        &path,
+        CacheConfig {
+            readahead_max: 0,
+            ..cfg(2)
+        },
+    )
+    .unwrap();
+    let held = (c.get(0).unwrap(), c.get(1).unwrap());
+    let mut page = vec![0u8; PS];
+    pattern::fill(5, 1, &mut page);
+    match c.write(5, &page) {
+        Err(WriteError::NoFrame) => {}
+        other => panic!("expected WriteError::NoFrame, got {other:?}"),
+    }
+    drop(held);
+    c.write(5, &page).unwrap();
+    assert_eq!(pattern::verify(5, &c.get(5).unwrap()).unwrap(), 1);
 }

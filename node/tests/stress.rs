@@ -1,6 +1,8 @@
-//! Randomized stress: concurrent readers, faulting inserters, evictors and
-//! writers over a self-describing file, every byte of every read verified,
-//! and no read older than an acknowledged write.
+//! Randomized stress: concurrent readers (counted zero-copy, copy-out,
+//! lookup, and guard-scoped reads whose lent bytes are verified again
+//! before their pin drops), faulting inserters, evictors and writers over
+//! a self-describing file, every byte of every read verified, and no read
+//! older than an acknowledged write.
 //!
 //! Every eviction × admission combination runs on the lockless index; each
 //! other index variant runs under one combination (rotated), so every
@@ -12,7 +14,7 @@
 
 use pagewire_node::index::{Index, Lockless, Mutexed, RwLocked, Sharded};
 use pagewire_node::policy::{Admission, CachePolicy, Eviction};
-use pagewire_node::{CacheConfig, PageCache, ReadError, pattern};
+use pagewire_node::{CacheConfig, PageCache, Pin, ReadError, pattern};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,6 +38,8 @@ struct Tally {
     writes: AtomicU64,
     evicted: AtomicU64,
     no_frame: AtomicU64,
+    /// Reads lent under a pin and verified again before it dropped.
+    pinned: AtomicU64,
 }
 
 fn stress<I: Index>(seed: u64, policy: CachePolicy) {
@@ -64,7 +68,7 @@ fn stress<I: Index>(seed: u64, policy: CachePolicy) {
     let deadline = Instant::now() + Duration::from_secs_f64(secs());
     let mut handles = Vec::new();
 
-    for r in 0..3u64 {
+    for r in 0..4u64 {
         let (cache, acked, stop, tally) =
             (cache.clone(), acked.clone(), stop.clone(), tally.clone());
         handles.push(std::thread::spawn(move || {
@@ -74,6 +78,10 @@ fn stress<I: Index>(seed: u64, policy: CachePolicy) {
                 // Mostly a hot set, sometimes a sequential scan (readahead).
                 let p = if rng.random_bool(0.1) { rng.random_range(0..PAGES) } else { rng.random_range(0..64) };
                 let run = if rng.random_bool(0.05) { 16 } else { 1 };
+                if r == 3 {
+                    pinned_reads(&cache, &acked, &tally, p, run);
+                    continue;
+                }
                 for p in p..(p + run).min(PAGES) {
                     let before = acked[p as usize].load(Ordering::Acquire);
                     let got = match r % 3 {
@@ -194,19 +202,73 @@ fn stress<I: Index>(seed: u64, policy: CachePolicy) {
     }
     let t = &tally;
     assert!(
-        t.reads.load(Ordering::Relaxed) > 1000,
+        t.reads.load(Ordering::Relaxed) > 1000 && t.pinned.load(Ordering::Relaxed) > 100,
         "the stress did too little to mean anything"
     );
     println!(
-        "stress {:9} ({policy}): {:.1} s, {} verified reads ({} MiB), {} writes, {} evictions by the evictor, {} NoFrame; cache: {st:?}",
+        "stress {:9} ({policy}): {:.1} s, {} verified reads ({} pinned, checked twice; {} MiB), {} writes, {} evictions by the evictor, {} NoFrame; cache: {st:?}",
         I::KIND.name(),
         secs(),
         t.reads.load(Ordering::Relaxed),
+        t.pinned.load(Ordering::Relaxed),
         t.bytes.load(Ordering::Relaxed) >> 20,
         t.writes.load(Ordering::Relaxed),
         t.evicted.load(Ordering::Relaxed),
         t.no_frame.load(Ordering::Relaxed),
     );
+}
+
+/// Guard-scoped lookups of pages `p..p + run` (at least 4) under one pin:
+/// each hit verified when lent, then every one verified again just before
+/// the pin drops, so bytes the cache lent must not change while evictions,
+/// writes and refills go on. A miss is faulted in after the pin drops.
+fn pinned_reads<I: Index>(
+    cache: &PageCache<I>,
+    acked: &[AtomicU64],
+    tally: &Tally,
+    p: u64,
+    run: u64,
+) {
+    let pin = Pin::new();
+    let mut lent = Vec::new();
+    let mut missed = Vec::new();
+    for p in p..(p + run.max(4)).min(PAGES) {
+        let before = acked[p as usize].load(Ordering::Acquire);
+        let Some(b) = cache.lookup_pinned(p, &pin) else {
+            missed.push(p);
+            continue;
+        };
+        let generation = pattern::verify(p, b).unwrap_or_else(|e| panic!("pinned read: {e}"));
+        assert!(
+            generation >= before,
+            "page {p}: read generation {generation} after {before} was acknowledged"
+        );
+        tally.reads.fetch_add(1, Ordering::Relaxed);
+        tally.bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+        lent.push((p, generation, b));
+    }
+    for (p, generation, b) in &lent {
+        let again = pattern::verify(*p, b)
+            .unwrap_or_else(|e| panic!("lent bytes changed under the pin: {e}"));
+        assert_eq!(
+            again, *generation,
+            "page {p}: lent bytes changed under the pin"
+        );
+    }
+    tally.pinned.fetch_add(lent.len() as u64, Ordering::Relaxed);
+    drop(lent);
+    drop(pin);
+    for p in missed {
+        match cache.get(p) {
+            Ok(g) => {
+                pattern::verify(p, &g).unwrap_or_else(|e| panic!("zero-copy read: {e}"));
+            }
+            Err(ReadError::NoFrame) => {
+                tally.no_frame.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => panic!("read of page {p}: {e}"),
+        }
+    }
 }
 
 fn policy(eviction: Eviction, admission: Admission) -> CachePolicy {

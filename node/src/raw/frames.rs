@@ -83,7 +83,13 @@
 //!    `invalidate` for an eviction; by the last `put` for a retired copy;
 //!    `free_unpublished` for a fill or insert that failed, which first moves
 //!    the even generation on by 2, so the odd value a `prepare` stamped a
-//!    checksum for is never stamped again with another one).
+//!    checksum for is never stamped again with another one). A frame that
+//!    was ever published reaches the list only after crossbeam-epoch's
+//!    grace period (`FreeList::push_after_grace`: deferred on the default
+//!    collector and flushed to its global queue; an eviction batch,
+//!    `Frames::batch_frees`, hands its frees over as one deferral at its
+//!    end); one that never was (`free_unpublished`) at once. `alloc`
+//!    drives the epoch when the list is empty but frames wait.
 //!
 //! # Ordering
 //!
@@ -103,6 +109,53 @@
 //!   reader's accesses of the bytes happen before its own reuse.
 //! * The free list hands a frame from the freeing thread to the next
 //!   `alloc` with its own Release/Acquire.
+//!
+//! # Guard-scoped readers (no reference)
+//!
+//! `PageCache::lookup_pinned` lends a cached page's bytes for the life of an epoch
+//! pin (crossbeam-epoch's default collector) and stores nothing shared, so
+//! readers of one hot page do not bounce its refcount between cores. The
+//! reader: pin; load the slot `(f, gen32)` (`RawIndex::get_pinned`); load
+//! `f`'s generation (Acquire) and accept iff it is odd with low half
+//! `gen32` and `page` matches (`is_published_as`); else reload the slot
+//! (the entry is changing under its chain lock) or miss. Then use the
+//! frame's bytes until the pin drops. It never faults: a fault can wait on
+//! another thread's fill, which can wait for frames whose free waits for
+//! this very pin.
+//!
+//! Why the bytes stay that incarnation's while pinned: the frame's bytes
+//! change only after a free (transition 8) and the `alloc` that follows.
+//! The free of incarnation `G` comes after its `invalidate` (G → G + 1):
+//! in program order for an eviction, and through the refcount's
+//! Release/Acquire for the last `put`. The reader loaded `G`, so its load
+//! precedes that invalidate in the generation word's modification order.
+//! crossbeam seals the deferred free with the global epoch read after a
+//! SeqCst fence that follows the free; the reader's pin stored its epoch
+//! before its own SeqCst fence, which precedes its loads. If the sealing
+//! fence came first in the SeqCst order, the reader's later load would see
+//! the invalidate (or a later store), not `G`; so the reader's fence came
+//! first, the seal's epoch is at most one past the reader's, and the bag
+//! expires only two epochs on, which cannot happen while the reader stays
+//! pinned. So the push, the `alloc` and every refill store happen after
+//! the reader unpins (crossbeam's unpin is a Release store its collector
+//! reads with Acquire). A copy-on-write never writes a published frame, so
+//! nothing else changes the bytes. A stale or torn slot is harmless: the
+//! frame it names must show an odd generation with that low half for the
+//! page, and the frame it names is not refilled while pinned by the same
+//! argument, so `page` and `len` read after the generation are the
+//! incarnation's.
+//!
+//! Read freshness is a counted reader's: the copy is the page's content at
+//! the instant of the generation load; a write acknowledged before the pin
+//! invalidated every older copy first (transition 7), so it is never older.
+//!
+//! Cost: a pin (an outermost pin stores the thread's epoch and issues a
+//! full fence, on x86-64 a locked instruction on a word no other core
+//! writes; a nested pin bumps a counter) instead of a CAS and a decrement
+//! on the frame's shared refcount; frees wait a grace period, so up to one bag per thread
+//! (64) of freed frames is out of use at a time, and a thread that holds a
+//! pin while it faults can see [`crate::ReadError::NoFrame`] in a cache
+//! whose every free frame waits on that pin.
 //!
 //! # Why a remote copy that validates is sound
 //!
@@ -160,6 +213,7 @@ use super::Header;
 use super::region::Region;
 use crate::layout::FrameState;
 use crate::sync::{Ordering, fence};
+use std::sync::Arc;
 
 /// The CLOCK "referenced" bit in a header's flags.
 pub(crate) const FLAG_REFERENCED: u32 = 1;
@@ -195,6 +249,9 @@ pub(crate) struct FreeList {
     q: crossbeam_queue::ArrayQueue<u32>,
     #[cfg(loom)]
     q: crate::sync::Mutex<Vec<u32>>,
+    /// Indices freed through [`FreeList::push_after_grace`] and not yet on
+    /// the list (waiting for crossbeam-epoch's grace period).
+    waiting: crate::sync::AtomicU64,
 }
 
 impl FreeList {
@@ -206,12 +263,87 @@ impl FreeList {
             for i in 0..n {
                 let _ = q.push(i as u32);
             }
-            Self { q }
+            Self {
+                q,
+                waiting: crate::sync::AtomicU64::new(0),
+            }
         }
         #[cfg(loom)]
         Self {
             q: crate::sync::Mutex::new((0..n as u32).rev().collect()),
+            waiting: crate::sync::AtomicU64::new(0),
         }
+    }
+
+    /// Push `i` once every thread pinned now (crossbeam-epoch's default
+    /// collector) has unpinned: the grace period that lets a guard-scoped
+    /// reader keep using what it found before `i` was freed.
+    pub(crate) fn push_after_grace(self: &Arc<Self>, i: u32) {
+        // Relaxed: a count for `len_with_waiting` and for `collect`'s
+        // decision to drive the epoch; nothing is published through it.
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let list = Arc::clone(self);
+        let guard = crossbeam_epoch::pin();
+        guard.defer(move || {
+            list.push(i);
+            list.waiting.fetch_sub(1, Ordering::Relaxed);
+        });
+        // Hand the deferral to the global queue at once: left in this
+        // thread's bag (up to 64), it would wait for this thread's next
+        // flush, and a small cache would run out of frames meanwhile.
+        guard.flush();
+    }
+
+    /// [`FreeList::push_after_grace`] for several indices: one deferral and
+    /// one flush for the lot.
+    #[cfg(not(loom))]
+    pub(crate) fn push_all_after_grace(self: &Arc<Self>, all: Vec<u32>) {
+        if all.is_empty() {
+            return;
+        }
+        self.waiting.fetch_add(all.len() as u64, Ordering::Relaxed);
+        let list = Arc::clone(self);
+        let guard = crossbeam_epoch::pin();
+        guard.defer(move || {
+            for &i in &all {
+                list.push(i);
+            }
+            list.waiting.fetch_sub(all.len() as u64, Ordering::Relaxed);
+        });
+        guard.flush();
+    }
+
+    /// Drive crossbeam-epoch's collection until something waiting reaches
+    /// the list, at most `rounds` times (a reader pinned for longer keeps
+    /// it waiting). True if the list is non-empty afterwards.
+    pub(crate) fn collect(&self, rounds: usize) -> bool {
+        for round in 0..rounds {
+            if self.len() > 0 {
+                return true;
+            }
+            if self.waiting.load(Ordering::Relaxed) == 0 {
+                return false;
+            }
+            // Seals this thread's bag with the epoch now and tries to
+            // advance the epoch and run expired bags (two advances expire
+            // a bag when no thread stays pinned at an older epoch, so the
+            // first rounds go without yielding).
+            crossbeam_epoch::pin().flush();
+            // Then let a thread pinned at an older epoch unpin (under loom:
+            // let the model run it).
+            #[cfg(loom)]
+            loom::thread::yield_now();
+            #[cfg(not(loom))]
+            if round >= 2 {
+                std::thread::yield_now();
+            }
+        }
+        self.len() > 0
+    }
+
+    /// Free indices, counting those still in their grace period.
+    pub(crate) fn len_with_waiting(&self) -> usize {
+        self.len() + self.waiting.load(Ordering::Relaxed) as usize
     }
 
     pub(crate) fn pop(&self) -> Option<u32> {
@@ -248,6 +380,34 @@ impl FreeList {
     }
 }
 
+/// This thread's frees gathered by [`Frames::batch_frees`]: for the table
+/// at `owner` only (its address; a free of another table's frame goes its
+/// own way).
+#[cfg(not(loom))]
+#[derive(Default)]
+struct Batch {
+    owner: Option<usize>,
+    frees: Vec<u32>,
+}
+
+#[cfg(not(loom))]
+impl Batch {
+    /// Gather `f` if this thread batches `frames`' frees; else give it back.
+    #[inline]
+    fn add(&mut self, frames: &Frames, f: u32) -> Option<u32> {
+        if self.owner != Some(frames as *const Frames as usize) {
+            return Some(f);
+        }
+        self.frees.push(f);
+        None
+    }
+}
+
+#[cfg(not(loom))]
+thread_local! {
+    static BATCH: std::cell::RefCell<Batch> = std::cell::RefCell::new(Batch::default());
+}
+
 /// Which stamp a hit refreshes (the eviction policy, as frames see it).
 pub(crate) const STAMP_ON_INSERT: u8 = 0;
 /// `lru`: a hit refreshes the frame's stamp too.
@@ -256,7 +416,7 @@ pub(crate) const STAMP_ON_HIT: u8 = 1;
 /// The frame table over a region. Opaque outside this crate.
 pub struct Frames {
     pub(crate) region: Region,
-    free: FreeList,
+    free: Arc<FreeList>,
     hand: crate::sync::AtomicU64,
     /// Per frame: logical time of publication (or last hit under `lru`).
     stamps: Box<[std::sync::atomic::AtomicU64]>,
@@ -271,7 +431,7 @@ impl Frames {
         let n = region.layout().frame_count;
         Self {
             region,
-            free: FreeList::full(n),
+            free: Arc::new(FreeList::full(n)),
             hand: crate::sync::AtomicU64::new(0),
             stamps: (0..n)
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
@@ -291,14 +451,26 @@ impl Frames {
         &self.region.headers()[f as usize]
     }
 
-    /// Frames on the free list now.
+    /// Frames not in use: on the free list, or freed and waiting for their
+    /// grace period (transition 8).
     pub(crate) fn free_count(&self) -> usize {
-        self.free.len()
+        self.free.len_with_waiting()
     }
 
-    /// Transition 1: take a free frame for filling.
+    /// Transition 1: take a free frame for filling. With the list empty
+    /// but frames in their grace period, drive crossbeam-epoch a few times
+    /// first.
     pub(crate) fn alloc(&self) -> Option<u32> {
-        let f = self.free.pop()?;
+        let f = match self.free.pop() {
+            Some(f) => f,
+            None => {
+                // A thread that holds a pin itself cannot wait out a grace
+                // period: one try, for frees sealed before its pin.
+                let rounds = if crossbeam_epoch::is_pinned() { 1 } else { 8 };
+                self.free.collect(rounds);
+                self.free.pop()?
+            }
+        };
         // Release: orders the invalidation that preceded this frame's free
         // (seen through the free list's Acquire) before every store of the
         // refill; pairs with the Acquire fence in `copy_validated`.
@@ -324,7 +496,9 @@ impl Frames {
         // Release/Acquire, and a remote reader can only ever load this even
         // value (never accepted) or a later one.
         h.generation.store(g.wrapping_add(2), Ordering::Relaxed);
-        self.release(f);
+        // At once: it was never visible, so no reader can have found it.
+        h.state.store(FrameState::Free as u32, Ordering::Relaxed);
+        self.free.push(f);
     }
 
     /// Transition 2: stamp the header of a filled frame for the generation
@@ -427,6 +601,21 @@ impl Frames {
         }
     }
 
+    /// Transition 4 for a guard-scoped reader, which takes no reference:
+    /// whether frame `f` is published as `page` at a generation whose low
+    /// half is `gen32`. The caller is pinned (crossbeam-epoch's default
+    /// collector) and found `(f, gen32)` in the index after pinning; if
+    /// this says yes, the frame holds that incarnation's bytes until the
+    /// caller unpins (see "Guard-scoped readers").
+    #[inline(always)]
+    pub(crate) fn is_published_as(&self, f: u32, page: u64, gen32: u32) -> bool {
+        let h = self.header(f);
+        // Acquire: pairs with the Release store of `make_visible`: the
+        // header and bytes of incarnation `g` are visible to the reader.
+        let g = h.generation.load(Ordering::Acquire);
+        g % 2 == 1 && g as u32 == gen32 && h.page.load(Ordering::Relaxed) == page
+    }
+
     /// Transition 4: take a reference unless the refcount is zero.
     #[must_use]
     #[inline]
@@ -501,11 +690,67 @@ impl Frames {
         self.put(f);
     }
 
+    /// Transition 8 for a frame that was published: after the grace period,
+    /// so a guard-scoped reader that found it before its invalidation reads
+    /// the same bytes until it unpins.
     fn release(&self, f: u32) {
         self.header(f)
             .state
             .store(FrameState::Free as u32, Ordering::Relaxed);
-        self.free.push(f);
+        #[cfg(not(loom))]
+        let f = match BATCH.with(|b| b.borrow_mut().add(self, f)) {
+            None => return,
+            Some(f) => f,
+        };
+        self.free.push_after_grace(f);
+    }
+
+    /// Run `op` with this thread's frees of this table's frames gathered
+    /// and handed to the grace period as one deferral at the end (an
+    /// eviction batch pays one deferral and one flush, not one per frame).
+    /// The frames are off the free list until then, as they would be
+    /// during their grace period anyway.
+    #[cfg(not(loom))]
+    pub(crate) fn batch_frees<R>(&self, op: impl FnOnce() -> R) -> R {
+        let nested = BATCH.with(|b| {
+            let mut b = b.borrow_mut();
+            if b.owner.is_some() {
+                return true;
+            }
+            b.owner = Some(self as *const Self as usize);
+            false
+        });
+        if nested {
+            return op();
+        }
+        // Hand over what was gathered even if `op` panics.
+        struct Hand<'a>(&'a Frames);
+        impl Drop for Hand<'_> {
+            fn drop(&mut self) {
+                let all = BATCH.with(|b| {
+                    let mut b = b.borrow_mut();
+                    b.owner = None;
+                    std::mem::take(&mut b.frees)
+                });
+                self.0.free.push_all_after_grace(all);
+            }
+        }
+        let _hand = Hand(self);
+        op()
+    }
+
+    /// Wait (bounded) until every frame freed so far is back on the list:
+    /// for the loom models that count frames after a free.
+    #[cfg(loom)]
+    pub(crate) fn settle(&self) {
+        for _ in 0..64 {
+            if self.free.waiting.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            crossbeam_epoch::pin().flush();
+            #[cfg(loom)]
+            loom::thread::yield_now();
+        }
     }
 
     /// Set the CLOCK bit on a hit (a load first, so hot frames stay shared

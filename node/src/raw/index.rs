@@ -279,6 +279,77 @@ impl RawIndex {
         }
     }
 
+    /// Reference-free lookup for a reader pinned with crossbeam-epoch (the
+    /// caller's guard, pinned before this is called): the frame of
+    /// `page`'s published copy, or `None` on a miss. No store: readers of
+    /// one hot page do not contend. The frame's bytes stay that copy's
+    /// until the guard drops, because every free of a published frame waits
+    /// for the grace period ([`super::frames`], "Guard-scoped readers").
+    /// The pin also covers the overflow walk.
+    #[inline(always)]
+    pub(crate) fn get_pinned(&self, frames: &Frames, page: u64, retries: &mut u64) -> Option<u32> {
+        let key = key_of(page);
+        let head = Self::head(frames, page);
+        if let Some((_, val)) = Self::scan(head, key) {
+            if let Some(f) = Self::pinned_slot(frames, page, val) {
+                return Some(f);
+            }
+            *retries += 1;
+            crate::sync::retry_hint();
+        } else if ctrl::next(head.ctrl.load(Ordering::Acquire)).is_none() {
+            // Acquire: pairs with the Release store that linked a bucket.
+            return None;
+        }
+        Self::get_pinned_slow(frames, page, retries)
+    }
+
+    /// [`RawIndex::get_pinned`] from the start, overflow chain included.
+    #[cold]
+    #[inline(never)]
+    fn get_pinned_slow(frames: &Frames, page: u64, retries: &mut u64) -> Option<u32> {
+        let key = key_of(page);
+        let head = Self::head(frames, page);
+        loop {
+            let val = match Self::scan(head, key) {
+                Some((_, val)) => val,
+                None => {
+                    // Acquire: pairs with the Release store that linked a
+                    // bucket.
+                    let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
+                    let mut found = None;
+                    while let Some(o) = next {
+                        let b = Self::overflow(frames, o);
+                        if let Some(hit) = Self::scan(b, key) {
+                            found = Some(hit.1);
+                            break;
+                        }
+                        next = ctrl::next(b.ctrl.load(Ordering::Acquire));
+                    }
+                    found?
+                }
+            };
+            if let Some(f) = Self::pinned_slot(frames, page, val) {
+                return Some(f);
+            }
+            *retries += 1;
+            crate::sync::retry_hint();
+        }
+    }
+
+    #[inline(always)]
+    fn pinned_slot(frames: &Frames, page: u64, val: u64) -> Option<u32> {
+        let f = val_frame(val);
+        // A torn slot (key of one insert, val of another) may name anything.
+        if f as usize >= frames.count() {
+            return None;
+        }
+        if !frames.is_published_as(f, page, val_gen32(val)) {
+            return None;
+        }
+        frames.touch(f);
+        Some(f)
+    }
+
     /// Reference-free copy-out of `page` into `out` (a seqlock read of the
     /// frame, [`Frames::copy_validated`]): `Some((generation, len))`, or
     /// `None` on a miss. `retries` counts copies that raced a change.

@@ -394,11 +394,12 @@ impl Region {
         }
     }
 
-    /// Frame `f`'s bytes for as long as the caller's reference lives.
+    /// Frame `f`'s bytes for as long as the caller's reference (or epoch
+    /// pin, under which it found the frame published) lives.
     ///
     /// # Safety
     /// As for [`Region::read`], and the returned slice must not outlive the
-    /// caller's reference on the frame.
+    /// caller's reference on the frame, or its pin.
     #[cfg(not(loom))]
     pub(crate) unsafe fn frame(&self, f: u32) -> &[u8] {
         // SAFETY: in bounds (f < frame_count, checked by the callers through
