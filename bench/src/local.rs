@@ -2,7 +2,8 @@
 //!
 //! N threads read a file that is preloaded in the cache: each its own part
 //! (partitioned, the seed's 64-process test), uniformly at random, or a
-//! shared hot set. Every index variant, in zero-copy (lookup, check, drop)
+//! shared hot set. Every index variant, in zero-copy (lookup, check, drop),
+//! zero-copy under an epoch pin (no reference: pin, lookup, check, unpin)
 //! and copy-out modes, beside Linux `pread` of the same file from the
 //! kernel's page cache. Repeats are interleaved across variants so drift on
 //! a shared machine hits them alike; the figures are medians.
@@ -11,7 +12,7 @@ use crate::report::{self, median, si};
 use crate::workers::{self, Chooser, ThreadRun, Workload};
 use anyhow::Context;
 use pagewire_node::index::{Index, IndexKind, Lockless, Mutexed, RwLocked, Sharded};
-use pagewire_node::{CacheConfig, PageCache, pattern};
+use pagewire_node::{CacheConfig, PageCache, Pin, pattern};
 use serde::Serialize;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -53,6 +54,10 @@ pub struct Args {
     /// Check every byte of every read (slow: measures the checker).
     #[arg(long)]
     pub verify_all: bool,
+    /// Lookups per epoch pin in mode `zero_copy_pinned` (1: one pin per
+    /// lookup; more: what a reader of a batch of pages pays).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub pin_batch: u32,
     /// Do not pin threads to CPUs.
     #[arg(long)]
     pub no_pin: bool,
@@ -87,6 +92,9 @@ impl std::str::FromStr for IndexKindArg {
 pub enum Mode {
     /// Lookup, check the page header in place, release.
     ZeroCopy,
+    /// Pin the epoch, look up without a reference, check in place, unpin
+    /// (a miss: unpin, then fault it in as zero-copy does).
+    ZeroCopyPinned,
     /// Copy the page into the thread's buffer, check the header.
     Copy,
 }
@@ -95,6 +103,7 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::ZeroCopy => "zero_copy",
+            Mode::ZeroCopyPinned => "zero_copy_pinned",
             Mode::Copy => "copy",
         }
     }
@@ -143,7 +152,7 @@ impl<I: Index> Target for PageCache<I> {
     }
 
     fn modes(&self) -> &'static [Mode] {
-        &[Mode::ZeroCopy, Mode::Copy]
+        &[Mode::ZeroCopy, Mode::ZeroCopyPinned, Mode::Copy]
     }
 
     fn measure(
@@ -162,10 +171,29 @@ impl<I: Index> Target for PageCache<I> {
             |t| {
                 let mut ch = Chooser::new(w, t, threads, pages);
                 let mut buf = vec![0u8; self.page_size()];
+                let (batch, mut pinned) = (a.pin_batch, 0u32);
+                let mut pin: Option<Pin> = None;
                 move || {
                     let p = ch.next();
                     match mode {
                         Mode::ZeroCopy => {
+                            let g = self.get(p)?;
+                            check(p, &g, all)
+                        }
+                        Mode::ZeroCopyPinned => {
+                            pinned += 1;
+                            if pinned >= batch {
+                                // Unpin before pinning again, so a batch of
+                                // 1 pins once per lookup.
+                                pin = None;
+                                pinned = 0;
+                            }
+                            let held = pin.get_or_insert_with(Pin::new);
+                            if let Some(b) = self.lookup_pinned(p, held) {
+                                return check(p, b, all);
+                            }
+                            // A miss: fault it in unpinned.
+                            pin = None;
                             let g = self.get(p)?;
                             check(p, &g, all)
                         }
@@ -390,15 +418,11 @@ fn summarize(rows: &[Row]) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     let max_t = rows.iter().map(|r| r.threads).max().unwrap_or(1);
     for idx in ["lockless", "rwlock", "mutex", "sharded", "linux_pread"] {
-        for mode in ["zero_copy", "copy"] {
-            if let (Some(a), Some(b)) = (
-                get(idx, mode, "partitioned", 1),
-                get(idx, mode, "partitioned", 2),
-            ) {
-                out.push((
-                    format!("{idx} {mode} partitioned 2-thread / 1-thread"),
-                    b / a,
-                ));
+        for mode in ["zero_copy", "zero_copy_pinned", "copy"] {
+            for w in ["partitioned", "hot"] {
+                if let (Some(a), Some(b)) = (get(idx, mode, w, 1), get(idx, mode, w, 2)) {
+                    out.push((format!("{idx} {mode} {w} 2-thread / 1-thread"), b / a));
+                }
             }
             if let (Some(a), Some(b)) = (
                 cpu(idx, mode, "partitioned", 1),
@@ -425,7 +449,7 @@ fn summarize(rows: &[Row]) -> Vec<(String, f64)> {
     for t in [1, max_t] {
         if let Some(p) = get("linux_pread", "copy", "partitioned", t) {
             for idx in ["lockless", "rwlock", "mutex", "sharded"] {
-                for mode in ["zero_copy", "copy"] {
+                for mode in ["zero_copy", "zero_copy_pinned", "copy"] {
                     if let Some(x) = get(idx, mode, "partitioned", t) {
                         out.push((
                             format!("{idx} {mode} / linux_pread, partitioned, {t} thread(s)"),

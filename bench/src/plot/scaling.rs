@@ -102,6 +102,7 @@ pub(crate) fn x_label(v: f64) -> String {
 fn mode_name(mode: &str) -> String {
     match mode {
         "zero_copy" => "zero-copy (look up, check in place)".into(),
+        "zero_copy_pinned" => "zero-copy under an epoch pin (no refcount)".into(),
         "copy" => "copy-out (copy the page into a buffer)".into(),
         m => m.replace('_', "-"),
     }
