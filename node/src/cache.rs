@@ -723,12 +723,19 @@ impl<I: Index> PageCache<I> {
         // older than their free (`lookup_pinned` hits, and the brief pins of
         // index walks and frees): give those pins time to drop, unless this
         // thread holds one itself (then they would not drop while it waits).
+        // Each round evicts another batch too: other threads (readahead
+        // above all) may take the frames that come back first, and this one
+        // must not starve while they do.
         if wait && !crossbeam_epoch::is_pinned() {
             let mut wait = std::time::Duration::from_micros(20);
             let mut waited = std::time::Duration::ZERO;
-            while self.core.frames.free_count() > 0
-                && waited < std::time::Duration::from_millis(250)
-            {
+            while waited < std::time::Duration::from_millis(250) {
+                if self.reclaim(batch) == 0 && self.core.frames.free_count() == 0 {
+                    break; // every frame is held or filling: no grace helps
+                }
+                if let Some(f) = self.core.frames.alloc() {
+                    return Ok(f);
+                }
                 std::thread::sleep(wait);
                 waited += wait;
                 wait = (wait * 2).min(std::time::Duration::from_millis(5));
