@@ -21,6 +21,17 @@
 //! `/sys/kernel/mm/transparent_hugepage/shmem_enabled`; the owner logs at
 //! debug level when the hint will be ignored.
 //!
+//! Files are sized in the directory's granule ([`file_granule`]): on a
+//! hugetlbfs mount (for example a Kubernetes `emptyDir` of medium
+//! `HugePages-2Mi`) the huge page size, which hugetlbfs requires of every
+//! file length (`ftruncate` refuses others with `EINVAL`), so a region lives
+//! on huge pages from the pool; on a tmpfs whose policy gives shared memory
+//! transparent huge pages, 2 MiB, so the file's tail can be mapped by a huge
+//! page too. The region's own length (header word `len`) is unchanged;
+//! readers already accept a file longer than header + `len`. A hugetlbfs
+//! pool too small for a file fails its mapping (`ENOMEM` at `mmap`, which
+//! reserves the pages), not a later touch.
+//!
 //! Every region of an owner carries the owner's incarnation as its epoch:
 //! random ([`ShmOwner::create_in`]) or the caller's
 //! ([`ShmOwner::create_in_with_epoch`], e.g. the node's incarnation, so that
@@ -292,6 +303,36 @@ fn huge_page_policy(dir: &Path) -> Option<String> {
     Some(format!("{huge} (tmpfs huge=)"))
 }
 
+/// What a file in `dir` is sized a multiple of: the huge page size on a
+/// hugetlbfs mount (required there), 2 MiB on a tmpfs whose huge page
+/// policy is `always`, `within_size`, `advise` or `force` (so the last
+/// part of a region can be a huge page too), else 1 (no rounding).
+pub fn file_granule(dir: &Path) -> usize {
+    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    if let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
+        // SAFETY: `statfs` writes only into the zeroed struct we pass, and
+        // reads the NUL-terminated path we own.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0
+            && st.f_type as i64 == HUGETLBFS_MAGIC
+            && st.f_bsize > 0
+        {
+            return st.f_bsize as usize;
+        }
+    }
+    match huge_page_policy(dir) {
+        Some(p)
+            if ["always", "within_size", "advise", "force"]
+                .iter()
+                .any(|w| p.starts_with(w)) =>
+        {
+            2 << 20
+        }
+        _ => 1,
+    }
+}
+
 /// Asks for transparent huge pages on a region mapping (before its pages
 /// are touched); a hint, so a refusal is only logged.
 fn advise_huge(map: &MmapMut) {
@@ -339,6 +380,8 @@ fn publish(
 pub struct ShmOwner {
     dir: PathBuf,
     name: String,
+    /// Every file's length is a multiple of this ([`file_granule`]).
+    granule: usize,
     ctl: MmapMut,
     /// The control file, open with an exclusive `flock` for as long as this
     /// owner lives: what tells a successor that it is alive (see
@@ -413,8 +456,12 @@ impl ShmOwner {
                 "shm owner: not a tmpfs (or no THP): MADV_HUGEPAGE may have no effect"
             ),
         }
+        let granule = file_granule(dir);
+        if granule > 1 {
+            tracing::debug!(granule, dir = %dir.display(), "shm owner: files sized in huge pages");
+        }
         let pid = std::process::id();
-        let (ctl, file) = publish(&path, HEADER, false, |m| {
+        let (ctl, file) = publish(&path, HEADER.next_multiple_of(granule), false, |m| {
             let base = m.as_mut_ptr();
             // SAFETY: `base` is a fresh one-page mapping.
             unsafe {
@@ -440,6 +487,7 @@ impl ShmOwner {
         Ok(Self {
             dir: dir.to_owned(),
             name: name.to_owned(),
+            granule,
             ctl,
             _lock: file,
             incarnation,
@@ -455,7 +503,7 @@ impl ShmOwner {
     /// # Errors
     /// Zero length, a closed owner, or a file error.
     pub fn register(&self, len: usize) -> Result<ShmRegion, RegisterError> {
-        if len == 0 || len > (isize::MAX as usize) - HEADER {
+        if len == 0 || len > (isize::MAX as usize) - HEADER - self.granule {
             return Err(RegisterError::InvalidLength(len));
         }
         if self.closed.load(Ordering::Acquire) {
@@ -468,7 +516,8 @@ impl ShmOwner {
                 continue;
             }
             let epoch = self.incarnation;
-            let res = publish(&path, HEADER + len, true, |m| {
+            let file_len = (HEADER + len).next_multiple_of(self.granule);
+            let res = publish(&path, file_len, true, |m| {
                 let base = m.as_mut_ptr();
                 // SAFETY: a fresh mapping of `HEADER + len` bytes.
                 unsafe {

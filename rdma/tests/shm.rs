@@ -348,3 +348,70 @@ fn dead_owner_files_are_replaced() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+/// On hugetlbfs (`PAGEWIRE_HUGETLBFS_DIR`: `.ci/run` mounts one and gives
+/// it a pool of 2 MiB pages) a region's file is sized in huge pages, which
+/// hugetlbfs requires (`ftruncate` refuses other lengths with `EINVAL`, so
+/// `register` failed there before); on a tmpfs mounted `huge=always`
+/// (`PAGEWIRE_THP_TMPFS_DIR`) in 2 MiB too. Either way the region's length
+/// is unchanged and its bytes are the file's at one header page in. A
+/// variable left unset is said, not failed, for runs outside CI.
+#[test]
+fn region_files_are_sized_for_huge_pages() {
+    use pagewire_rdma::LocalRegion;
+    use pagewire_rdma::shm::file_granule;
+    assert_eq!(
+        file_granule(std::path::Path::new("/proc")),
+        1,
+        "not a tmpfs nor hugetlbfs: no rounding"
+    );
+    for var in ["PAGEWIRE_HUGETLBFS_DIR", "PAGEWIRE_THP_TMPFS_DIR"] {
+        let Some(dir) = std::env::var_os(var) else {
+            println!("{var} unset: not checked");
+            continue;
+        };
+        let dir = std::path::PathBuf::from(dir);
+        let granule = file_granule(&dir);
+        assert_eq!(granule, 2 << 20, "{var}={}", dir.display());
+        let name = format!(
+            "huge-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let owner = ShmOwner::create_in(&dir, &name).expect("an owner on huge pages");
+        let len = 3 * 4096 + 100;
+        let region = owner.register(len).expect("a region on huge pages");
+        assert_eq!(region.len(), len);
+        // SAFETY: the region is ours and nothing reads it yet.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), len) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let file = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .find(|e| {
+                let f = e.file_name();
+                let f = f.to_string_lossy();
+                f.starts_with(&format!("pagewire-{name}-"))
+            })
+            .expect("the region's file");
+        let size = file.metadata().unwrap().len() as usize;
+        assert_eq!(size % granule, 0, "{}: {size} bytes", file.path().display());
+        assert!(size >= 4096 + len);
+        let f = std::fs::File::open(file.path()).unwrap();
+        // SAFETY: a read-only mapping of a file this test's owner maps.
+        let map = unsafe { memmap2::Mmap::map(&f) }.expect("a reader maps the file");
+        assert!(
+            map[4096..4096 + len]
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == (i % 251) as u8),
+            "the file does not hold the region's bytes one header page in"
+        );
+        println!(
+            "{var}: region of {len} bytes in a file of {size} bytes on {}",
+            dir.display()
+        );
+    }
+}
