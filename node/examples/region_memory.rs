@@ -8,7 +8,9 @@
 //!
 //! SHM_DIR (default /dev/shm) holds the region file: a tmpfs mounted with
 //! `huge=always` (or `within_size`) gives the shared mapping huge pages
-//! whatever `/sys/kernel/mm/transparent_hugepage/shmem_enabled` says.
+//! whatever `/sys/kernel/mm/transparent_hugepage/shmem_enabled` says; a
+//! hugetlbfs mount puts it on the reserved pool (`vm.nr_hugepages` must
+//! hold the region: 129 pages of 2 MiB for 256 MiB).
 
 use pagewire_node::index::Lockless;
 use pagewire_node::{CacheConfig, PageCache, pattern};
@@ -51,9 +53,10 @@ fn main() {
         c.preload(0, pages).unwrap();
     }
     println!(
-        "AnonHugePages {} KiB, ShmemPmdMapped {} KiB (huge pages the kernel gave)",
+        "AnonHugePages {} KiB, ShmemPmdMapped {} KiB, Shared_Hugetlb {} KiB (huge pages the kernel gave)",
         smaps_kib("AnonHugePages:"),
-        smaps_kib("ShmemPmdMapped:")
+        smaps_kib("ShmemPmdMapped:"),
+        smaps_kib("Shared_Hugetlb:")
     );
     let n = 2_000_000u64;
     let mut buf = vec![0u8; 4096];

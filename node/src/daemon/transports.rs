@@ -30,8 +30,12 @@
 //!
 //! With every transport off the region is anonymous private memory (transparent huge
 //! pages where the kernel gives them) and no descriptor is published:
-//! readers fall back to gRPC. Shared memory gets huge pages only where
-//! `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows them.
+//! readers fall back to gRPC. The shm region gets huge pages from a
+//! hugetlbfs `shm_dir` (its files sized in the huge page size; the pool,
+//! `vm.nr_hugepages`, must hold the region) or, as transparent huge pages,
+//! from a tmpfs mounted `huge=always` (or `within_size`/`advise`) or where
+//! `/sys/kernel/mm/transparent_hugepage/shmem_enabled` says `force`;
+//! `/dev/shm` with its default `huge=never` gives none.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
