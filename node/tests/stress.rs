@@ -201,8 +201,10 @@ fn stress<I: Index>(seed: u64, policy: CachePolicy) {
         );
     }
     let t = &tally;
+    // Under valgrind (.ci/valgrind.sh, 1 s) a run makes about 80k reads,
+    // 175–430 of them pinned; natively millions.
     assert!(
-        t.reads.load(Ordering::Relaxed) > 1000 && t.pinned.load(Ordering::Relaxed) > 100,
+        t.reads.load(Ordering::Relaxed) > 1000 && t.pinned.load(Ordering::Relaxed) > 20,
         "the stress did too little to mean anything"
     );
     println!(
