@@ -32,7 +32,7 @@ use pagewire_proto::v1::{
 use pagewire_testkit::cluster::{coordinator_command, node_command};
 use pagewire_testkit::grpc::CoordinatorRpc as Coord;
 use pagewire_testkit::process::Proc;
-use pagewire_testkit::{free_port, rt};
+use pagewire_testkit::{free_ports, rt};
 
 const TOKEN: &str = "test-cluster-token";
 const PAGE: u64 = 4096;
@@ -257,11 +257,15 @@ impl World {
         pattern::generate_file(&dir.path().join("data.bin"), FILE, PAGE as usize)
             .expect("backing file");
         let tls = tls.then(|| EtcdTls::generate(dir.path()));
+        // Nine distinct ports: one picked twice made a member's peer URL
+        // reach another member's client listener (404 on /raft/probing),
+        // and the cluster never formed (seen once in CI).
+        let ports = free_ports(9);
         let mut w = World {
-            etcd_client: (0..3).map(|_| free_port()).collect(),
-            etcd_peer: (0..3).map(|_| free_port()).collect(),
+            etcd_client: ports[0..3].to_vec(),
+            etcd_peer: ports[3..6].to_vec(),
             etcd: Vec::new(),
-            coord_ports: (0..3).map(|_| free_port()).collect(),
+            coord_ports: ports[6..9].to_vec(),
             coords: Vec::new(),
             nodes: Vec::new(),
             prefix: format!("/pagewire-test/{name}-{}/", std::process::id()),

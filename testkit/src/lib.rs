@@ -30,6 +30,19 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// `n` distinct TCP ports on 127.0.0.1 that were free a moment ago: all
+/// `n` are held bound at once before any is released, so no two are the
+/// same (separate [`free_port`] calls may return one port twice, and two
+/// servers of one test then collide).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().expect("a bound address").port())
+        .collect()
+}
+
 /// Polls `ok` every 20 ms until it holds, for at most `limit`; how long
 /// that took. Panics, naming `what`, when it never held.
 pub fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Duration {
