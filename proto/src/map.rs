@@ -32,7 +32,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::rendezvous::{self, Candidate as RvCandidate};
+use crate::rendezvous::{self, Candidate as RvCandidate, NodeTable};
 use crate::v1::{Candidate, CompactMap, MapNode, NodeState, OwnershipMap, SparseOverrides};
 
 /// At most this many extents (the coordinator refuses larger files).
@@ -131,8 +131,12 @@ fn malformed(map: &CompactMap, reason: String) -> MapError {
 /// A set as the cache knows it: (index, weight, hash seed).
 type Key = Vec<(u32, u64, u64)>;
 
-/// A layer ready to scan: its set's owners and its skips (node → resume).
-type ResolvedLayer = (Arc<Vec<u32>>, HashMap<u32, usize>);
+/// A layer ready to scan: its set's owners and its skips (node → resume;
+/// `NO_SKIP` for a node it does not skip), with whether it has any.
+type ResolvedLayer = (Arc<Vec<u32>>, NodeTable<usize>, bool);
+
+/// A node a layer does not skip.
+const NO_SKIP: usize = usize::MAX;
 
 /// One cached owner array.
 struct Cached {
@@ -280,12 +284,13 @@ impl Expander {
             .iter()
             .map(|nd| (nd.index, nd.node_id.as_str()))
             .collect();
-        let lease: BTreeSet<u32> = map
-            .nodes
-            .iter()
-            .filter(|nd| holds_lease(nd.state))
-            .map(|nd| nd.index)
-            .collect();
+        let lease = NodeTable::new(
+            false,
+            map.nodes
+                .iter()
+                .filter(|nd| holds_lease(nd.state))
+                .map(|nd| (nd.index, true)),
+        );
         let mut get = |id: u64, what: &str| -> Result<Arc<Vec<u32>>, MapError> {
             let s = sets
                 .get(&id)
@@ -293,22 +298,27 @@ impl Expander {
             Ok(self.owners(s, &ids, extents))
         };
         let owner_arr = get(map.owner_set, "owner_set")?;
-        let skips = |l: &crate::v1::Layer| -> HashMap<u32, usize> {
-            l.except
-                .iter()
-                .enumerate()
-                .map(|(k, &v)| {
+        let skips = |l: &crate::v1::Layer| -> (NodeTable<usize>, bool) {
+            let t = NodeTable::new(
+                NO_SKIP,
+                l.except.iter().enumerate().map(|(k, &v)| {
                     let r = l.resume.get(k).map_or(0, |&r| r as usize);
-                    (v, r)
-                })
-                .collect()
+                    // A resume of NO_SKIP still moves on (to the next layer).
+                    (v, r.min(NO_SKIP - 1))
+                }),
+            );
+            (t, !l.except.is_empty())
+        };
+        let resolved = |o: Arc<Vec<u32>>, l: &crate::v1::Layer| -> ResolvedLayer {
+            let (t, any) = skips(l);
+            (o, t, any)
         };
         let handoff: Vec<ResolvedLayer> = map
             .handoff
             .iter()
-            .map(|l| Ok((get(l.set, "a handoff layer")?, skips(l))))
+            .map(|l| Ok(resolved(get(l.set, "a handoff layer")?, l)))
             .collect::<Result<_, MapError>>()?;
-        type Group = (Vec<ResolvedLayer>, BTreeSet<u32>, Vec<Arc<Vec<u32>>>);
+        type Group = (Vec<ResolvedLayer>, NodeTable<bool>, Vec<Arc<Vec<u32>>>);
         let groups: Vec<Group> = map
             .releases
             .iter()
@@ -316,39 +326,53 @@ impl Expander {
                 let layers = g
                     .layers
                     .iter()
-                    .map(|l| Ok((get(l.set, "a release layer")?, skips(l))))
+                    .map(|l| Ok(resolved(get(l.set, "a release layer")?, l)))
                     .collect::<Result<_, MapError>>()?;
                 let dropped = g
                     .dropped_by
                     .iter()
                     .map(|&id| get(id, "a release group's dropped_by"))
                     .collect::<Result<_, MapError>>()?;
-                Ok((layers, g.except.iter().copied().collect(), dropped))
+                let except = NodeTable::new(false, g.except.iter().map(|&v| (v, true)));
+                Ok((layers, except, dropped))
             })
             .collect::<Result<_, MapError>>()?;
         let hit = |layers: &[ResolvedLayer], i: usize| -> (u32, usize) {
             let mut k = 0;
-            while let Some((o, except)) = layers.get(k) {
+            while let Some((o, except, any)) = layers.get(k) {
                 let v = o[i];
                 if v == 0 {
                     k += 1;
-                } else if let Some(&r) = except.get(&v) {
-                    k = r.max(k + 1);
-                } else {
+                    continue;
+                }
+                let r = if *any { except.get(v) } else { NO_SKIP };
+                if r == NO_SKIP {
                     return (v, k);
                 }
+                k = r.max(k + 1);
             }
             (0, usize::MAX)
         };
         let mut owner = owner_arr.to_vec();
-        let mut previous = vec![0u32; n];
-        let mut released = vec![0u32; n];
+        // An array no layer or override can fill stays empty (all zero):
+        // no 4 bytes per extent to allocate, fill and scan for nothing.
+        let o = map.overrides.as_ref();
+        let sized = |needed: bool| if needed { vec![0u32; n] } else { Vec::new() };
+        let mut previous =
+            sized(!handoff.is_empty() || o.is_some_and(|o| !o.previous_extent.is_empty()));
+        let mut released =
+            sized(!groups.is_empty() || o.is_some_and(|o| !o.released_extent.is_empty()));
         let mut handoff_hits = vec![0u64; handoff.len()];
         let mut group_hits = vec![0u64; groups.len()];
         let mut group_values = vec![BTreeSet::new(); groups.len()];
+        let mut group_seen: Vec<NodeTable<bool>> =
+            vec![NodeTable::new(false, std::iter::empty()); groups.len()];
         let mut release_layer_hits: Vec<Vec<u64>> =
             groups.iter().map(|(l, _, _)| vec![0; l.len()]).collect();
         for i in 0..n {
+            if handoff.is_empty() && groups.is_empty() {
+                break;
+            }
             let (v, k) = hit(&handoff, i);
             if v != 0 {
                 handoff_hits[k] += 1;
@@ -362,20 +386,22 @@ impl Expander {
                     release_layer_hits[g][k] += 1;
                 }
                 if v != 0
-                    && lease.contains(&v)
-                    && !except.contains(&v)
+                    && lease.get(v)
+                    && !except.get(v)
                     && v != owner[i]
-                    && v != previous[i]
+                    && v != previous.get(i).copied().unwrap_or(0)
                     && dropped.iter().all(|o| o[i] != v)
                 {
                     released[i] = v;
                     group_hits[g] += 1;
-                    group_values[g].insert(v);
+                    if !group_seen[g].get(v) {
+                        group_seen[g].set(v, true);
+                        group_values[g].insert(v);
+                    }
                     break;
                 }
             }
         }
-        let predicted = (owner.clone(), previous.clone(), released.clone());
         if let Some(o) = &map.overrides {
             apply_sparse(map, &mut owner, &o.owner_extent, &o.owner_node, "owner")?;
             apply_sparse(
@@ -394,7 +420,7 @@ impl Expander {
             )?;
         }
         let empty_if_zero = |v: Vec<u32>| {
-            if v.iter().all(|&x| x == 0) {
+            if v.is_empty() || v.iter().all(|&x| x == 0) {
                 Vec::new()
             } else {
                 v
@@ -404,9 +430,6 @@ impl Expander {
             owner,
             previous: empty_if_zero(previous),
             released: empty_if_zero(released),
-            predicted_owner: predicted.0,
-            predicted_previous: predicted.1,
-            predicted_released: predicted.2,
             handoff_hits,
             group_hits,
             group_values,
@@ -416,16 +439,14 @@ impl Expander {
 }
 
 /// What [`Expander::arrays`] computed: the map's arrays and, for an encoder,
-/// the rules' values before overrides and how often each layer decided.
+/// how often each layer decided. (An encoder wanting the rules' values
+/// without overrides expands the map without them.)
 pub struct Arrays {
     pub owner: Vec<u32>,
     /// Empty when all zero.
     pub previous: Vec<u32>,
     /// Empty when all zero.
     pub released: Vec<u32>,
-    pub predicted_owner: Vec<u32>,
-    pub predicted_previous: Vec<u32>,
-    pub predicted_released: Vec<u32>,
     /// Per handoff layer: extents it was the hit of.
     pub handoff_hits: Vec<u64>,
     /// Per release group: extents it gave `released_by` for.
@@ -465,11 +486,13 @@ fn apply_sparse(
     Ok(())
 }
 
-/// The sparse differences `truth - predicted` (a missing `truth` entry is 0).
-pub fn sparse_diff(truth: &[u32], predicted: &[u32]) -> (Vec<u64>, Vec<u32>) {
+/// The sparse differences `truth - predicted` over the first `n` entries
+/// (a missing entry of either is 0: an empty array is all zeros).
+pub fn sparse_diff(truth: &[u32], predicted: &[u32], n: usize) -> (Vec<u64>, Vec<u32>) {
     let mut e = Vec::new();
     let mut v = Vec::new();
-    for (i, &p) in predicted.iter().enumerate() {
+    for i in 0..n {
+        let p = predicted.get(i).copied().unwrap_or(0);
         let t = truth.get(i).copied().unwrap_or(0);
         if t != p {
             e.push(i as u64);
@@ -813,6 +836,13 @@ mod tests {
             .is_ok()
         );
         assert!(bad(&|c| c.extent_size = 0).is_ok());
+    }
+
+    #[test]
+    fn sparse_diff_reads_an_empty_array_as_zeros() {
+        assert_eq!(sparse_diff(&[0, 5, 0], &[], 3), (vec![1], vec![5]));
+        assert_eq!(sparse_diff(&[], &[0, 0, 4], 3), (vec![2], vec![0]));
+        assert_eq!(sparse_diff(&[1, 2], &[1, 2], 2), (vec![], vec![]));
     }
 
     #[test]

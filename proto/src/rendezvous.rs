@@ -74,6 +74,64 @@ pub fn score(node_seed: u64, extent: u64, weight: u64) -> f64 {
     -w / u.ln()
 }
 
+/// Values by node index, for lookups once per extent: a vector where the
+/// indexes are small (the coordinator hands them out in order from 1), a
+/// hash map for any index past [`NodeTable::DENSE`] (a malformed map may
+/// name any `u32`, and must not make a reader allocate gigabytes).
+#[derive(Debug, Clone)]
+pub struct NodeTable<T> {
+    dense: Vec<T>,
+    sparse: std::collections::HashMap<u32, T>,
+    default: T,
+}
+
+impl<T: Copy> NodeTable<T> {
+    /// Indexes below this live in the vector.
+    pub const DENSE: u32 = 1 << 16;
+
+    /// The table holding `entries`; every other index reads `default`.
+    pub fn new(default: T, entries: impl IntoIterator<Item = (u32, T)>) -> Self {
+        let mut t = Self {
+            dense: Vec::new(),
+            sparse: std::collections::HashMap::new(),
+            default,
+        };
+        for (i, v) in entries {
+            t.set(i, v);
+        }
+        t
+    }
+
+    /// Sets the value of `index`.
+    pub fn set(&mut self, index: u32, value: T) {
+        *self.get_mut(index) = value;
+    }
+
+    /// The value of `index`, to change in place.
+    #[inline]
+    pub fn get_mut(&mut self, index: u32) -> &mut T {
+        if index < Self::DENSE {
+            let i = index as usize;
+            if self.dense.len() <= i {
+                self.dense.resize(i + 1, self.default);
+            }
+            &mut self.dense[i]
+        } else {
+            self.sparse.entry(index).or_insert(self.default)
+        }
+    }
+
+    /// The value of `index`.
+    #[inline]
+    pub fn get(&self, index: u32) -> T {
+        match self.dense.get(index as usize) {
+            Some(&v) => v,
+            None if self.sparse.is_empty() => self.default,
+            None => self.sparse.get(&index).copied().unwrap_or(self.default),
+        }
+    }
+}
+
 /// A candidate with its seed computed once.
 #[derive(Debug, Clone, Copy)]
 struct Seeded {
@@ -128,8 +186,7 @@ pub fn assign(extent_count: u64, candidates: &[Candidate<'_>]) -> Vec<u32> {
 /// newcomer's score and the current owner's are compared.
 pub fn with_added(owners: &[u32], before: &[Candidate<'_>], added: Candidate<'_>) -> Vec<u32> {
     let seeds = seeded(before);
-    let by_index: std::collections::HashMap<u32, Seeded> =
-        seeds.iter().map(|s| (s.index, *s)).collect();
+    let by_index = NodeTable::new(None, seeds.iter().map(|s| (s.index, Some(*s))));
     let mut all = seeds.clone();
     all.extend(seeded(&[added]));
     let Some(new) = all.last().copied().filter(|n| n.index == added.index) else {
@@ -141,7 +198,7 @@ pub fn with_added(owners: &[u32], before: &[Candidate<'_>], added: Candidate<'_>
         .enumerate()
         .map(|(e, &cur)| {
             let e = e as u64;
-            match by_index.get(&cur) {
+            match by_index.get(cur) {
                 Some(c) => {
                     let s_new = score(new.seed, e, new.weight);
                     if beats(new.index, s_new, (cur, score(c.seed, e, c.weight))) {
@@ -179,6 +236,19 @@ pub fn with_removed(owners: &[u32], after: &[Candidate<'_>], removed: u32) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_table_reads_what_was_set_dense_or_not() {
+        let big = NodeTable::<u8>::DENSE + 7;
+        let mut t = NodeTable::new(9u8, [(3, 1), (big, 2), (u32::MAX, 3)]);
+        assert_eq!((t.get(3), t.get(big), t.get(u32::MAX)), (1, 2, 3));
+        assert_eq!((t.get(0), t.get(4), t.get(big - 1)), (9, 9, 9));
+        *t.get_mut(4) += 1;
+        *t.get_mut(big + 1) += 1;
+        assert_eq!((t.get(4), t.get(big + 1)), (10, 10));
+        // A huge index stays out of the vector.
+        assert!(t.dense.len() <= 5);
+    }
 
     fn vectors() -> serde_json::Value {
         let path = concat!(

@@ -104,10 +104,10 @@ impl ClusterState {
                 let mut cm =
                     self.desc
                         .to_proto(self.map_nodes(), self.epoch, self.file_size, &self.params);
-                let zeros = vec![0; self.owner.len()];
-                let (owner_extent, owner_node) = cmap::sparse_diff(&self.owner, &zeros);
-                let (previous_extent, previous_node) = cmap::sparse_diff(&self.previous, &zeros);
-                let (released_extent, released_node) = cmap::sparse_diff(&self.released, &zeros);
+                let n = self.owner.len();
+                let (owner_extent, owner_node) = cmap::sparse_diff(&self.owner, &[], n);
+                let (previous_extent, previous_node) = cmap::sparse_diff(&self.previous, &[], n);
+                let (released_extent, released_node) = cmap::sparse_diff(&self.released, &[], n);
                 cm.overrides = Some(SparseOverrides {
                     owner_extent,
                     owner_node,
@@ -139,11 +139,13 @@ impl ClusterState {
         let mut cm = self
             .desc
             .to_proto(self.map_nodes(), self.epoch, self.file_size, &self.params);
-        let (owner_extent, owner_node) = cmap::sparse_diff(&self.owner, &arrays.predicted_owner);
+        // `cm` has no overrides: the arrays expanded are the rules' values.
+        let n = self.owner.len();
+        let (owner_extent, owner_node) = cmap::sparse_diff(&self.owner, &arrays.owner, n);
         let (previous_extent, previous_node) =
-            cmap::sparse_diff(&self.previous, &arrays.predicted_previous);
+            cmap::sparse_diff(&self.previous, &arrays.previous, n);
         let (released_extent, released_node) =
-            cmap::sparse_diff(&self.released, &arrays.predicted_released);
+            cmap::sparse_diff(&self.released, &arrays.released, n);
         let o = SparseOverrides {
             owner_extent,
             owner_node,
