@@ -152,20 +152,16 @@ impl Metrics {
         );
         // One pass over the owners (not one per node: O(extents × nodes)
         // at every epoch for a big cluster).
-        let mut counts: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        let mut counts = pagewire_proto::rendezvous::NodeTable::new(0usize, std::iter::empty());
         for &o in &map.owner {
-            *counts.entry(o).or_default() += 1;
+            *counts.get_mut(o) += 1;
         }
-        let owned: usize = map
-            .nodes
-            .iter()
-            .map(|n| counts.get(&n.index).copied().unwrap_or(0))
-            .sum();
+        let owned: usize = map.nodes.iter().map(|n| counts.get(n.index)).sum();
         self.extents_unowned
             .set(i64::try_from(map.owner.len().saturating_sub(owned)).unwrap_or(i64::MAX));
         let mut labels_now = Vec::new();
         for n in &map.nodes {
-            let count = counts.get(&n.index).copied().unwrap_or(0);
+            let count = counts.get(n.index);
             let l = vec![("node".to_owned(), n.node_id.clone())];
             self.extents_owned
                 .get_or_create(&l)

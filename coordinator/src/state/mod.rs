@@ -53,12 +53,13 @@
 //! arrays as explicit overrides, so the compact map always expands to
 //! exactly the arrays; the state file and compact watchers get that form.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pagewire_proto::map::{self as cmap, Expander, Set};
+use pagewire_proto::rendezvous::NodeTable;
 use pagewire_proto::v1::{
     CompactMap, HeartbeatRequest, HeartbeatResponse, Layer, MapNode, NodeInfo, NodeState,
     OwnershipMap, Policy, RegisterRequest, RegisterResponse, ReleaseGroup, SparseOverrides,
@@ -431,12 +432,13 @@ impl ClusterState {
             .collect();
         let ids: HashMap<u32, &str> = ids.iter().map(|(&i, id)| (i, id.as_str())).collect();
         let new_owner = self.expander.owners(&candidates, &ids, extents).to_vec();
-        let serving: HashSet<u32> = self
-            .members
-            .values()
-            .filter(|m| holds_lease(m.info.state()))
-            .map(|m| m.info.index)
-            .collect();
+        let serving = NodeTable::new(
+            false,
+            self.members
+                .values()
+                .filter(|m| holds_lease(m.info.state()))
+                .map(|m| (m.info.index, true)),
+        );
         let mut new_prev = vec![0u32; new_owner.len()];
         let mut any_prev = false;
         for (i, &new) in new_owner.iter().enumerate() {
@@ -444,9 +446,9 @@ impl ClusterState {
             let prev = self.previous.get(i).copied().unwrap_or(0);
             // The node certainly serving this extent now: the one handing it
             // off, else its owner.
-            let server = if prev != 0 && serving.contains(&prev) {
+            let server = if prev != 0 && serving.get(prev) {
                 prev
-            } else if cur != 0 && serving.contains(&cur) {
+            } else if cur != 0 && serving.get(cur) {
                 cur
             } else {
                 0
@@ -532,12 +534,14 @@ impl ClusterState {
     /// entry carried over, while its node still holds a lease and has not
     /// applied the epoch that released it. Empty when there is none.
     fn releases(&self, owner: &[u32], previous: &[u32], epoch: u64) -> (Vec<u32>, Vec<u64>) {
-        let live: BTreeMap<u32, u64> = self
-            .members
-            .values()
-            .filter(|m| holds_lease(m.info.state()))
-            .map(|m| (m.info.index, m.info.applied_epoch))
-            .collect();
+        // Lease holders' applied epochs (None: no lease).
+        let live = NodeTable::new(
+            None,
+            self.members
+                .values()
+                .filter(|m| holds_lease(m.info.state()))
+                .map(|m| (m.info.index, Some(m.info.applied_epoch))),
+        );
         let mut released = vec![0u32; owner.len()];
         let mut since = vec![0u64; owner.len()];
         for (i, &new_owner) in owner.iter().enumerate() {
@@ -549,7 +553,7 @@ impl ClusterState {
                 self.owner.get(i).copied().unwrap_or(0)
             };
             if old_server != 0
-                && live.contains_key(&old_server)
+                && live.get(old_server).is_some()
                 && old_server != new_owner
                 && old_server != new_prev
             {
@@ -561,7 +565,7 @@ impl ClusterState {
                 self.released.get(i).copied().unwrap_or(0),
                 self.released_epoch.get(i).copied().unwrap_or(0),
             );
-            if r != 0 && r != new_owner && live.get(&r).is_some_and(|&applied| applied < at) {
+            if r != 0 && r != new_owner && live.get(r).is_some_and(|applied| applied < at) {
                 released[i] = r;
                 since[i] = at;
             }
@@ -575,15 +579,13 @@ impl ClusterState {
     /// Draining nodes that own and hand off nothing are drained; returns
     /// their ids.
     fn settle_drains(&mut self) -> Vec<String> {
-        let busy: HashSet<u32> = self
-            .owner
-            .iter()
-            .chain(self.previous.iter())
-            .copied()
-            .collect();
+        let mut busy = NodeTable::new(false, std::iter::empty());
+        for &i in self.owner.iter().chain(self.previous.iter()) {
+            busy.set(i, true);
+        }
         let mut drained = Vec::new();
         for m in self.members.values_mut() {
-            if m.info.state() == NodeState::Draining && !busy.contains(&m.info.index) {
+            if m.info.state() == NodeState::Draining && !busy.get(m.info.index) {
                 m.info.set_state(NodeState::Drained);
                 tracing::info!(node = %m.info.node_id, "node drained");
                 drained.push(m.info.node_id.clone());
