@@ -13,7 +13,8 @@
 //!   join streams and of the one its handoff's end streams, and of the old
 //!   expanded map (`GetMap` without `compact`), all protobuf-encoded;
 //! - time from a `Register` call of a new member to every watcher having
-//!   applied (expanded) the epoch it returned; the median of the joins;
+//!   applied (expanded) the epoch it returned, and of the `Register` call
+//!   alone (the coordinator's commit); the medians of the joins;
 //! - coordinator CPU per heartbeat: time on CPU of the coordinator's own
 //!   runtime threads (named `pw-coord`, read from
 //!   `/proc/self/task/*/schedstat`) over a steady window, divided by the
@@ -90,6 +91,10 @@ struct Row {
     delta_handoff_done_bytes: u64,
     expanded_bytes: u64,
     join_to_all_watchers_ms: f64,
+    /// The `Register` call's round trip (the coordinator's commit: owners,
+    /// handoff, releases, the compact map's encoding, the save); the rest
+    /// of `join_to_all_watchers_ms` is the watchers' expansion.
+    register_ms: f64,
     coordinator_cpu_us_per_heartbeat: f64,
     process_cpu_us_per_heartbeat: f64,
     heartbeats_in_window: u64,
@@ -154,6 +159,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     bytes(r.delta_handoff_done_bytes),
                     bytes(r.expanded_bytes),
                     format!("{:.1}", r.join_to_all_watchers_ms),
+                    format!("{:.1}", r.register_ms),
                     format!("{:.1}", r.coordinator_cpu_us_per_heartbeat),
                     format!("{:.1}", r.process_cpu_us_per_heartbeat),
                 ]
@@ -169,6 +175,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 "DELTA DONE",
                 "EXPANDED",
                 "JOIN→ALL MS",
+                "REGISTER MS",
                 "COORD µs/HB",
                 "PROC µs/HB",
             ],
@@ -213,6 +220,7 @@ fn project(rows: &mut [Row]) {
         r.delta_handoff_done_bytes = sm.delta_handoff_done_bytes;
         r.expanded_bytes = (sm.expanded_bytes as f64 * scale) as u64;
         r.join_to_all_watchers_ms = se.join_to_all_watchers_ms;
+        r.register_ms = se.register_ms;
         r.coordinator_cpu_us_per_heartbeat = sm.coordinator_cpu_us_per_heartbeat;
         r.process_cpu_us_per_heartbeat = sm.process_cpu_us_per_heartbeat;
         r.note = format!(
@@ -529,6 +537,7 @@ async fn simulate(
     let hbs = (hb1 - hb0).max(1);
 
     let mut join_ms = Vec::new();
+    let mut register_ms = Vec::new();
     let mut delta_join = Vec::new();
     let mut delta_done = Vec::new();
     for j in 0..a.joins {
@@ -546,6 +555,7 @@ async fn simulate(
             })
             .await?
             .into_inner();
+        register_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         let epoch = r.map.as_ref().map_or(0, |m| m.epoch);
         sim.latest.fetch_max(epoch, Ordering::Relaxed);
         let done = sim.wait_all_applied(epoch, limit).await?;
@@ -583,6 +593,7 @@ async fn simulate(
         delta_handoff_done_bytes: report::median(delta_done) as u64,
         expanded_bytes,
         join_to_all_watchers_ms: report::median(join_ms),
+        register_ms: report::median(register_ms),
         coordinator_cpu_us_per_heartbeat: (coord1 - coord0) * 1e6 / hbs as f64,
         process_cpu_us_per_heartbeat: (proc1 - proc0) * 1e6 / hbs as f64,
         heartbeats_in_window: hbs,
