@@ -30,6 +30,10 @@ pub(crate) struct Region {
     /// private mapping of ours, unmapped on drop.
     #[cfg(not(loom))]
     shared: Option<Box<dyn pagewire_rdma::LocalRegion>>,
+    /// Bytes mapped at `base` (of our own mapping; `layout.len` rounded
+    /// up to [`HUGE_PAGE`] for a region of at least one).
+    #[cfg(not(loom))]
+    mapped_len: usize,
     #[cfg(loom)]
     buckets: Box<[Bucket]>,
     #[cfg(loom)]
@@ -108,31 +112,19 @@ impl Region {
                 }
                 m.as_ptr().cast::<libc::c_void>()
             }
-            None => {
-                // SAFETY: an anonymous private mapping with no address hint;
-                // the result is checked for MAP_FAILED before use.
-                let ptr = unsafe {
-                    libc::mmap(
-                        std::ptr::null_mut(),
-                        layout.len,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                        -1,
-                        0,
-                    )
-                };
-                if ptr == libc::MAP_FAILED {
-                    return Err(std::io::Error::last_os_error());
-                }
-                ptr
-            }
+            None => map_private(layout.len)?,
+        };
+        let mapped_len = if shared.is_some() {
+            layout.len
+        } else {
+            private_len(layout.len)
         };
         // Transparent huge pages: a walk over a big index or arena otherwise
         // pays a TLB miss per page, and a NIC needs fewer translation
         // entries. Only a hint; for shared (shmem) memory the kernel's
         // `shmem_enabled` setting decides, and it is often `never`.
         // SAFETY: `ptr..ptr + len` is mapped (checked or just created).
-        if unsafe { libc::madvise(ptr, layout.len, libc::MADV_HUGEPAGE) } != 0 {
+        if unsafe { libc::madvise(ptr, mapped_len, libc::MADV_HUGEPAGE) } != 0 {
             tracing::debug!(error = %std::io::Error::last_os_error(), "madvise(MADV_HUGEPAGE) refused");
         }
         // Fault the metadata (superblock, index, overflow pool, headers) in
@@ -149,6 +141,7 @@ impl Region {
             layout,
             base,
             shared,
+            mapped_len,
         };
         region.write_superblock(file_pages, file_len, index);
         Ok(region)
@@ -461,6 +454,74 @@ impl Drop for Staging {
     }
 }
 
+/// The size of a transparent huge page on x86-64 and arm64 with 4 KiB
+/// pages. The kernel backs only the 2 MiB-aligned 2 MiB stretches of a
+/// mapping with one, and (since Linux 6.13) aligns an anonymous mapping by
+/// itself only when its length is a multiple of it; so a private region's
+/// mapping is placed and sized in whole huge pages, and every part of it,
+/// the tail included, can get one.
+#[cfg(not(loom))]
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
+/// Bytes mapped for a private region of `len` bytes: whole huge pages for
+/// a region of at least one (a smaller one keeps its length: rounding it
+/// would only cost memory).
+#[cfg(not(loom))]
+pub(crate) fn private_len(len: usize) -> usize {
+    if len >= HUGE_PAGE {
+        len.next_multiple_of(HUGE_PAGE)
+    } else {
+        len
+    }
+}
+
+/// A zeroed anonymous private mapping of [`private_len`]`(len)` bytes,
+/// starting on a [`HUGE_PAGE`] boundary when it is at least one long: one
+/// huge page more is reserved, and the unaligned head and the tail past
+/// the aligned stretch are unmapped again.
+#[cfg(not(loom))]
+fn map_private(len: usize) -> std::io::Result<*mut libc::c_void> {
+    let want = private_len(len);
+    let slack = if want >= HUGE_PAGE { HUGE_PAGE } else { 0 };
+    let reserve = want
+        .checked_add(slack)
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
+    // SAFETY: an anonymous private mapping with no address hint; the result
+    // is checked for MAP_FAILED before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    if slack == 0 {
+        return Ok(ptr);
+    }
+    let start = ptr as usize;
+    let aligned = start.next_multiple_of(HUGE_PAGE);
+    let head = aligned - start;
+    let tail = reserve - head - want;
+    // SAFETY: both ranges lie inside the mapping just made and outside
+    // `aligned..aligned + want`, which stays mapped; mmap returns
+    // page-aligned addresses, so `head` and `tail` are whole pages.
+    unsafe {
+        if head > 0 {
+            libc::munmap(ptr, head);
+        }
+        if tail > 0 {
+            libc::munmap((aligned + want) as *mut libc::c_void, tail);
+        }
+    }
+    Ok(aligned as *mut libc::c_void)
+}
+
 #[cfg(not(loom))]
 impl Drop for Region {
     fn drop(&mut self) {
@@ -468,8 +529,44 @@ impl Drop for Region {
             // The transport's mapping goes with `shared`.
             return;
         }
-        // SAFETY: `base` came from mmap with exactly `layout.len` bytes and is
-        // unmapped once; every borrow of the region ended with `&mut self`.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.layout.len) };
+        // SAFETY: `base..base + mapped_len` is what `map_private` left
+        // mapped, unmapped once; every borrow of the region ended with
+        // `&mut self`.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.mapped_len) };
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::{HUGE_PAGE, Region, private_len};
+    use crate::layout::RegionLayout;
+
+    #[test]
+    fn a_private_region_is_placed_and_sized_in_whole_huge_pages() {
+        for frames in [600, 1000, 4000] {
+            let layout = RegionLayout::new(4096, frames);
+            assert!(layout.len >= HUGE_PAGE && !layout.len.is_multiple_of(HUGE_PAGE));
+            let r = Region::new(layout, 1, 4096).unwrap();
+            assert_eq!(
+                r.base.as_ptr() as usize % HUGE_PAGE,
+                0,
+                "{frames} frames: base {:p}",
+                r.base
+            );
+            assert_eq!(r.mapped_len, private_len(layout.len));
+            assert!(r.mapped_len.is_multiple_of(HUGE_PAGE) && r.mapped_len >= layout.len);
+            // The whole mapping is usable memory: its last byte is writable
+            // and reads back.
+            // SAFETY: inside the mapping, which `r` owns; no other borrow.
+            unsafe {
+                let last = r.base.as_ptr().add(r.mapped_len - 1);
+                last.write(7);
+                assert_eq!(last.read(), 7);
+            }
+        }
+        // A small region keeps its length.
+        let small = RegionLayout::new(512, 4);
+        assert!(small.len < HUGE_PAGE);
+        assert_eq!(Region::new(small, 1, 512).unwrap().mapped_len, small.len);
     }
 }
