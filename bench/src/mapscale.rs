@@ -339,7 +339,7 @@ fn cell(a: &Args, extents: u64, members: u32) -> anyhow::Result<Row> {
         .collect();
     pagewire_coordinator::write_settled_state(&state, "mapscale", &map_cfg, &ids, "127.0.0.1:9")?;
     let started = Instant::now();
-    let (addr, stop_coord, coord_rt) = start_coordinator(&state, &map_cfg, a)?;
+    let (addr, stop_coord, coord_stopped, coord_rt) = start_coordinator(&state, &map_cfg, a)?;
     let sim_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("pw-sim")
@@ -347,7 +347,13 @@ fn cell(a: &Args, extents: u64, members: u32) -> anyhow::Result<Row> {
         .build()?;
     let row = sim_rt.block_on(simulate(a, &addr, extents, members, &ids, started));
     sim_rt.shutdown_background();
+    // Let the coordinator stop as a process would (its last save included)
+    // before its runtime goes: shutting the runtime down at once cancelled
+    // that save ("cannot persist the state on shutdown").
     let _ = stop_coord.send(());
+    if coord_stopped.recv_timeout(Duration::from_secs(30)).is_err() {
+        eprintln!("mapscale: the coordinator did not stop within 30 s");
+    }
     coord_rt.shutdown_timeout(Duration::from_secs(5));
     drop(dir);
     row
@@ -360,6 +366,7 @@ fn start_coordinator(
 ) -> anyhow::Result<(
     String,
     tokio::sync::oneshot::Sender<()>,
+    std::sync::mpsc::Receiver<()>,
     tokio::runtime::Runtime,
 )> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -382,6 +389,7 @@ fn start_coordinator(
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (btx, brx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
     rt.spawn(async move {
         let r = pagewire_coordinator::run(
             cfg,
@@ -397,12 +405,13 @@ fn start_coordinator(
         if let Err(e) = r {
             eprintln!("mapscale: coordinator stopped: {e}");
         }
+        let _ = done_tx.send(());
     });
     let addr = brx
         .recv_timeout(Duration::from_secs(600))
         .context("the coordinator did not start")?
         .map_err(|e: anyhow::Error| e)?;
-    Ok((addr.to_string(), tx, rt))
+    Ok((addr.to_string(), tx, done_rx, rt))
 }
 
 async fn simulate(
