@@ -18,6 +18,7 @@
 //! and the bench all build on it, never the other way round.
 
 pub mod auth;
+pub mod lazy;
 pub mod leader;
 pub mod map;
 #[cfg(feature = "server")]

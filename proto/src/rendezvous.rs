@@ -133,14 +133,14 @@ impl<T: Copy> NodeTable<T> {
 }
 
 /// A candidate with its seed computed once.
-#[derive(Debug, Clone, Copy)]
-struct Seeded {
-    index: u32,
-    seed: u64,
-    weight: u64,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Seeded {
+    pub(crate) index: u32,
+    pub(crate) seed: u64,
+    pub(crate) weight: u64,
 }
 
-fn seeded(candidates: &[Candidate<'_>]) -> Vec<Seeded> {
+pub(crate) fn seeded(candidates: &[Candidate<'_>]) -> Vec<Seeded> {
     candidates
         .iter()
         .filter(|c| c.weight > 0)
@@ -154,11 +154,11 @@ fn seeded(candidates: &[Candidate<'_>]) -> Vec<Seeded> {
 
 /// Whether `(index, s)` beats the best so far. Ties (practically never) go
 /// to the lower index, so the result does not depend on candidate order.
-fn beats(index: u32, s: f64, best: (u32, f64)) -> bool {
+pub(crate) fn beats(index: u32, s: f64, best: (u32, f64)) -> bool {
     s > best.1 || (s == best.1 && index < best.0)
 }
 
-fn best_of(seeds: &[Seeded], extent: u64) -> u32 {
+pub(crate) fn best_of(seeds: &[Seeded], extent: u64) -> u32 {
     let mut best = (0u32, f64::NEG_INFINITY);
     for c in seeds {
         let s = score(c.seed, extent, c.weight);
