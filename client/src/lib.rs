@@ -8,7 +8,10 @@
 //! that, without the node's cache, daemon or server:
 //!
 //! * [`MapFollower`]: one per process; polls the coordinator for the
-//!   ownership map and says until when it may be trusted.
+//!   ownership map and says until when it may be trusted. It expands no
+//!   map: an extent's owner is resolved the first time a read asks
+//!   (`pagewire_proto::lazy::LazyMap`), so a map costs O(members) to take
+//!   whatever the size of the file.
 //! * [`ClusterClient`]: one per process, shared by its threads; routes each
 //!   page (or run of pages) to the node that answers it, reads
 //!   it one-sidedly ([`one_sided`]) or with the owner's gRPC `Read`, writes

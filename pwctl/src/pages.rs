@@ -31,8 +31,9 @@ use pagewire_client::cluster::{
     ClientConfig, ClientError, ClusterClient, FollowerConfig, MapFollower, ReadInfo, ReadPath,
     Transport, TransportChoice, Via, write_owner,
 };
+use pagewire_proto::lazy::LazyMap;
 use pagewire_proto::state_name;
-use pagewire_proto::v1::{MapNode, OwnershipMap};
+use pagewire_proto::v1::MapNode;
 use serde_json::{Value, json};
 
 use super::{
@@ -486,18 +487,11 @@ impl Report {
         }
     }
 
-    fn node(map: &OwnershipMap, index: u32) -> Option<&MapNode> {
+    fn node(map: &LazyMap, index: u32) -> Option<&MapNode> {
         map.nodes.iter().find(|n| n.index == index)
     }
 
-    fn json(
-        &self,
-        map: &OwnershipMap,
-        first: u64,
-        count: u64,
-        bytes: u64,
-        out: Option<&Path>,
-    ) -> Value {
+    fn json(&self, map: &LazyMap, first: u64, count: u64, bytes: u64, out: Option<&Path>) -> Value {
         json!({
             "first_page": first, "pages": count, "bytes": bytes,
             "out": out.map(|p| p.display().to_string()),
@@ -517,7 +511,7 @@ impl Report {
         })
     }
 
-    fn text(&self, map: &OwnershipMap, first: u64, count: u64, bytes: u64, to: &str) -> String {
+    fn text(&self, map: &LazyMap, first: u64, count: u64, bytes: u64, to: &str) -> String {
         let rows: Vec<Vec<String>> = self
             .rows
             .iter()
@@ -599,7 +593,7 @@ mod tests {
             ]
         );
         assert_eq!((r.one_sided, r.fault_ins, r.retries), (3, 2, 2));
-        let map = OwnershipMap {
+        let map = LazyMap::from_expanded(pagewire_proto::v1::OwnershipMap {
             epoch: 3,
             nodes: vec![MapNode {
                 index: 1,
@@ -607,7 +601,7 @@ mod tests {
                 ..Default::default()
             }],
             ..Default::default()
-        };
+        });
         let t = r.text(&map, 0, 5, 5 * 4096, "x");
         assert!(t.contains("0-1    a     1      one-sided/shm  4"), "{t}");
         assert!(t.contains("3-4    ?     2      fault-in"), "{t}");

@@ -62,6 +62,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pagewire_proto::auth::AttachToken;
+use pagewire_proto::lazy::LazyMap;
 use pagewire_proto::leader::{AfterFailure, Coordinators, Pick, parse_address_list};
 use pagewire_proto::v1::{GetMapRequest, OwnershipMap, StatusRequest};
 
@@ -134,7 +135,7 @@ pub(crate) struct Shared {
 }
 
 struct State {
-    map: Arc<OwnershipMap>,
+    map: Arc<LazyMap>,
     lease: Duration,
     trust_until: Option<Instant>,
     /// Polls started and finished (a waiter wants one started after it asked).
@@ -149,7 +150,7 @@ struct State {
 #[derive(Clone)]
 pub(crate) struct Snapshot {
     pub(crate) seq: u64,
-    pub(crate) map: Arc<OwnershipMap>,
+    pub(crate) map: Arc<LazyMap>,
     pub(crate) trust_until: Option<Instant>,
 }
 
@@ -162,7 +163,7 @@ impl Snapshot {
 /// What one poll learnt.
 struct Confirmed {
     /// A new map (None: the current one is confirmed).
-    map: Option<OwnershipMap>,
+    map: Option<Arc<LazyMap>>,
     /// When the confirming request was sent.
     sent: Instant,
     lease: Duration,
@@ -178,8 +179,10 @@ struct Coordinator {
     /// Who answered the last `Status`, and its uptime (a smaller one from
     /// the same address: it restarted).
     last: Option<(String, u64)>,
-    /// Expands compact maps, keeping the last owner arrays.
-    expander: pagewire_proto::map::Expander,
+    /// The last map read: the next one reuses the owners it resolved
+    /// (`pagewire_proto::lazy`: owners are resolved per extent when a read
+    /// asks, never for the whole file).
+    last_map: Option<Arc<LazyMap>>,
 }
 
 /// A failed call: which, and the status (a timeout is `DEADLINE_EXCEEDED`).
@@ -261,17 +264,18 @@ impl Coordinator {
         let map = self
             .timed("GetMap", c.get_map(GetMapRequest { compact: true }))
             .await?;
-        // A compact map, expanded here with the shared code (an older
-        // coordinator's expanded one passes as it is).
-        let map = match map.compact {
-            Some(cm) => self.expander.expand(&cm).map_err(|e| {
+        // A compact map, resolved per extent when asked with the shared
+        // code (an older coordinator's expanded one is used as it is).
+        let map = Arc::new(match &map.compact {
+            Some(cm) => LazyMap::from_compact(cm, self.last_map.as_deref()).map_err(|e| {
                 (
                     "GetMap",
                     tonic::Status::data_loss(format!("an unusable map: {e}")),
                 )
             })?,
-            None => map,
-        };
+            None => LazyMap::from_expanded(map),
+        });
+        self.last_map = Some(map.clone());
         self.fresh = false;
         Ok(Confirmed {
             map: Some(map),
@@ -319,7 +323,7 @@ impl MapFollower {
             cfg: cfg.clone(),
             fresh: true,
             last: None,
-            expander: Default::default(),
+            last_map: None,
         };
         let first = rt
             .block_on(coord.poll(None))
@@ -327,10 +331,12 @@ impl MapFollower {
                 address: coordinator.to_owned(),
                 reason,
             })?;
-        let map = first.map.unwrap_or_default();
+        let map = first
+            .map
+            .unwrap_or_else(|| Arc::new(LazyMap::from_expanded(OwnershipMap::default())));
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                map: Arc::new(map),
+                map,
                 lease: first.lease,
                 trust_until: trust_window(first.sent, first.lease, cfg.clock_drift_margin),
                 started: 1,
@@ -357,8 +363,10 @@ impl MapFollower {
     }
 
     /// The map followed now (which may be past its trust window: see
-    /// [`MapFollower::trusted_until`]).
-    pub fn map(&self) -> Arc<OwnershipMap> {
+    /// [`MapFollower::trusted_until`]); its owners are resolved per extent
+    /// when asked ([`LazyMap::owner`]), and [`LazyMap::expand`] gives the
+    /// whole map.
+    pub fn map(&self) -> Arc<LazyMap> {
         self.shared.lock().map.clone()
     }
 
@@ -523,7 +531,7 @@ impl Shared {
                                 "the coordinator's map epoch went back; following it"
                             );
                         }
-                        st.map = Arc::new(map);
+                        st.map = map;
                     }
                     st.lease = c.lease;
                     st.trust_until = trust_window(c.sent, c.lease, self.cfg.clock_drift_margin);

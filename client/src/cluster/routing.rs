@@ -3,7 +3,8 @@
 //! from a first one the same node answers, so that one attempt reads them
 //! together.
 
-use pagewire_proto::v1::{MapNode, OwnershipMap};
+use pagewire_proto::lazy::Owners;
+use pagewire_proto::v1::MapNode;
 
 use super::attempt::Step;
 
@@ -13,49 +14,53 @@ const MAX_ATTEMPT_PAGES: usize = 256;
 
 /// The extent of `page` under `map` (None: a map without a usable extent
 /// size, or a page whose offset overflows).
-fn extent_of(map: &OwnershipMap, page: u64) -> Option<usize> {
-    if map.extent_size == 0 {
+fn extent_of<M: Owners + ?Sized>(map: &M, page: u64) -> Option<u64> {
+    if map.extent_size() == 0 {
         return None;
     }
-    let offset = page.checked_mul(u64::from(map.page_size))?;
-    usize::try_from(offset / map.extent_size).ok()
+    let offset = page.checked_mul(u64::from(map.page_size()))?;
+    Some(offset / map.extent_size())
 }
 
 /// The node index that answers reads of `page` under `map`: the previous
 /// owner while the extent is handed off, else the owner (None: no owner).
-pub fn read_owner(map: &OwnershipMap, page: u64) -> Option<u32> {
+pub fn read_owner<M: Owners + ?Sized>(map: &M, page: u64) -> Option<u32> {
     let e = extent_of(map, page)?;
-    match map.previous_owner.get(e).copied().unwrap_or(0) {
-        0 => map.owner.get(e).copied().filter(|&o| o != 0),
+    match map.previous_owner(e) {
+        0 => Some(map.owner(e)).filter(|&o| o != 0),
         prev => Some(prev),
     }
 }
 
 /// The node index that acknowledges writes of `page` under `map` (it
 /// refuses them while the extent is handed off; None: no owner).
-pub fn write_owner(map: &OwnershipMap, page: u64) -> Option<u32> {
-    map.owner
-        .get(extent_of(map, page)?)
-        .copied()
-        .filter(|&o| o != 0)
+pub fn write_owner<M: Owners + ?Sized>(map: &M, page: u64) -> Option<u32> {
+    Some(map.owner(extent_of(map, page)?)).filter(|&o| o != 0)
 }
 
 /// The node of `index` in `map`, or a reason to refresh.
-pub(super) fn node_of(map: &OwnershipMap, index: u32, page: u64) -> Result<&MapNode, Step> {
-    map.nodes.iter().find(|n| n.index == index).ok_or_else(|| {
-        Step::Refresh(format!(
-            "the map (epoch {}) names node index {index} for page {page} but not the node",
-            map.epoch
-        ))
-    })
+pub(super) fn node_of<M: Owners + ?Sized>(
+    map: &M,
+    index: u32,
+    page: u64,
+) -> Result<&MapNode, Step> {
+    map.nodes()
+        .iter()
+        .find(|n| n.index == index)
+        .ok_or_else(|| {
+            Step::Refresh(format!(
+                "the map (epoch {}) names node index {index} for page {page} but not the node",
+                map.epoch()
+            ))
+        })
 }
 
 /// The node that answers reads of `page` at `map` (its index and entry).
-pub(super) fn reader_of(map: &OwnershipMap, page: u64) -> Result<(u32, &MapNode), Step> {
+pub(super) fn reader_of<M: Owners + ?Sized>(map: &M, page: u64) -> Result<(u32, &MapNode), Step> {
     let index = read_owner(map, page).ok_or_else(|| {
         Step::Backoff(format!(
             "no node answers page {page} at epoch {}",
-            map.epoch
+            map.epoch()
         ))
     })?;
     Ok((index, node_of(map, index, page)?))
@@ -63,18 +68,23 @@ pub(super) fn reader_of(map: &OwnershipMap, page: u64) -> Result<(u32, &MapNode)
 
 /// How many pages from `first` (at most `want`, at most
 /// [`MAX_ATTEMPT_PAGES`]) node `index` answers reads of under `map`.
-pub(super) fn same_reader(map: &OwnershipMap, first: u64, want: usize, index: u32) -> usize {
+pub(super) fn same_reader<M: Owners + ?Sized>(
+    map: &M,
+    first: u64,
+    want: usize,
+    index: u32,
+) -> usize {
     let want = want.min(MAX_ATTEMPT_PAGES);
     let Some(e0) = extent_of(map, first) else {
         return 1;
     };
-    let pages_per_extent = (map.extent_size / u64::from(map.page_size).max(1)).max(1);
+    let pages_per_extent = (map.extent_size() / u64::from(map.page_size()).max(1)).max(1);
     // Pages left in `first`'s extent, then whole extents while the reader
     // stays the same.
     let mut n = (pages_per_extent - first % pages_per_extent) as usize;
     let mut e = e0 + 1;
     while n < want {
-        let page = e as u64 * pages_per_extent;
+        let page = e * pages_per_extent;
         if read_owner(map, page) != Some(index) {
             break;
         }
@@ -87,11 +97,12 @@ pub(super) fn same_reader(map: &OwnershipMap, first: u64, want: usize, index: u3
 #[cfg(test)]
 mod tests {
     use super::{read_owner, write_owner};
+    use pagewire_proto::lazy::LazyMap;
     use pagewire_proto::v1::OwnershipMap;
 
     /// Four extents of 4 pages of 4 KiB.
-    fn map(owner: &[u32], prev: &[u32]) -> OwnershipMap {
-        OwnershipMap {
+    fn map(owner: &[u32], prev: &[u32]) -> LazyMap {
+        LazyMap::from_expanded(OwnershipMap {
             epoch: 7,
             file_size: 16 * 4096,
             extent_size: 4 * 4096,
@@ -99,7 +110,7 @@ mod tests {
             owner: owner.to_vec(),
             previous_owner: prev.to_vec(),
             ..Default::default()
-        }
+        })
     }
 
     #[test]
