@@ -14,7 +14,10 @@
 //!   expanded map (`GetMap` without `compact`), all protobuf-encoded;
 //! - time from a `Register` call of a new member to every watcher having
 //!   applied (expanded) the epoch it returned, and of the `Register` call
-//!   alone (the coordinator's commit); the medians of the joins;
+//!   alone (the coordinator's commit), and to every lazy reader (R
+//!   watchers resolving owners per extent with `pagewire_proto::lazy::LazyApplier`,
+//!   as the cluster client does, each resolving `--reader-extents` owners
+//!   of every map); the medians of the joins;
 //! - coordinator CPU per heartbeat: time on CPU of the coordinator's own
 //!   runtime threads (named `pw-coord`, read from
 //!   `/proc/self/task/*/schedstat`) over a steady window, divided by the
@@ -57,6 +60,14 @@ pub struct Args {
     /// WatchMap (compact) watchers, each expanding every map it gets.
     #[arg(long, default_value_t = 2)]
     pub watchers: usize,
+    /// WatchMap (compact) readers, each resolving owners lazily
+    /// (`pagewire_proto::lazy`, as the cluster client does) and, for every
+    /// map, the owners of `--reader-extents` extents spread over the file.
+    #[arg(long, default_value_t = 2)]
+    pub readers: usize,
+    /// Extents each reader resolves per map.
+    #[arg(long, default_value_t = 64)]
+    pub reader_extents: u64,
     /// Heartbeat interval of each simulated member.
     #[arg(long, default_value_t = 500)]
     pub heartbeat_ms: u64,
@@ -95,6 +106,9 @@ struct Row {
     /// handoff, releases, the compact map's encoding, the save); the rest
     /// of `join_to_all_watchers_ms` is the watchers' expansion.
     register_ms: f64,
+    /// Time from the `Register` call to every lazy reader having applied
+    /// the epoch and resolved its extents.
+    join_to_all_readers_ms: f64,
     coordinator_cpu_us_per_heartbeat: f64,
     process_cpu_us_per_heartbeat: f64,
     heartbeats_in_window: u64,
@@ -114,11 +128,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         a.extents = vec![1000, 10_000];
         a.members = vec![10, 100];
         a.watchers = 1;
+        a.readers = 1;
         a.joins = 1;
         a.heartbeat_ms = 200;
         a.window_ms = 400;
     }
     anyhow::ensure!(a.watchers >= 1, "--watchers must be at least 1");
+    anyhow::ensure!(a.readers >= 1, "--readers must be at least 1");
     anyhow::ensure!(a.joins >= 1, "--joins must be at least 1");
     anyhow::ensure!(
         a.extents.iter().all(|&e| (1..=1 << 24).contains(&e)),
@@ -160,6 +176,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     bytes(r.expanded_bytes),
                     format!("{:.1}", r.join_to_all_watchers_ms),
                     format!("{:.1}", r.register_ms),
+                    format!("{:.1}", r.join_to_all_readers_ms),
                     format!("{:.1}", r.coordinator_cpu_us_per_heartbeat),
                     format!("{:.1}", r.process_cpu_us_per_heartbeat),
                 ]
@@ -176,6 +193,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 "EXPANDED",
                 "JOIN→ALL MS",
                 "REGISTER MS",
+                "JOIN→READERS MS",
                 "COORD µs/HB",
                 "PROC µs/HB",
             ],
@@ -221,6 +239,7 @@ fn project(rows: &mut [Row]) {
         r.expanded_bytes = (sm.expanded_bytes as f64 * scale) as u64;
         r.join_to_all_watchers_ms = se.join_to_all_watchers_ms;
         r.register_ms = se.register_ms;
+        r.join_to_all_readers_ms = se.join_to_all_readers_ms;
         r.coordinator_cpu_us_per_heartbeat = sm.coordinator_cpu_us_per_heartbeat;
         r.process_cpu_us_per_heartbeat = sm.process_cpu_us_per_heartbeat;
         r.note = format!(
@@ -278,8 +297,10 @@ fn process_cpu() -> f64 {
 /// What the watchers have applied.
 #[derive(Default)]
 struct Watched {
-    /// Per watcher: the newest epoch expanded.
-    applied: Vec<u64>,
+    /// Per watcher: the newest epoch expanded, and when.
+    applied: Vec<(u64, Instant)>,
+    /// Per lazy reader: the newest epoch applied and resolved, and when.
+    read: Vec<(u64, Instant)>,
     /// (epoch, encoded bytes, whether it was a delta) of every message.
     messages: Vec<(u64, u64, bool)>,
 }
@@ -294,19 +315,36 @@ struct Sim {
 }
 
 impl Sim {
+    /// When every expanding watcher had applied `epoch` (the latest of
+    /// their times), waiting for it.
     async fn wait_all_applied(&self, epoch: u64, limit: Duration) -> anyhow::Result<Instant> {
+        self.wait(epoch, limit, |w| &w.applied).await
+    }
+
+    /// As [`Sim::wait_all_applied`], for the lazy readers.
+    async fn wait_all_read(&self, epoch: u64, limit: Duration) -> anyhow::Result<Instant> {
+        self.wait(epoch, limit, |w| &w.read).await
+    }
+
+    async fn wait(
+        &self,
+        epoch: u64,
+        limit: Duration,
+        which: impl Fn(&Watched) -> &Vec<(u64, Instant)>,
+    ) -> anyhow::Result<Instant> {
         let deadline = Instant::now() + limit;
         loop {
             let notified = self.changed.notified();
-            if self
-                .watched
-                .lock()
-                .unwrap()
-                .applied
-                .iter()
-                .all(|&e| e >= epoch)
             {
-                return Ok(Instant::now());
+                let w = self.watched.lock().unwrap();
+                let all = which(&w);
+                if all.iter().all(|&(e, _)| e >= epoch) {
+                    return Ok(all
+                        .iter()
+                        .map(|&(_, at)| at)
+                        .max()
+                        .unwrap_or_else(Instant::now));
+                }
             }
             let left = deadline.saturating_duration_since(Instant::now());
             anyhow::ensure!(
@@ -425,7 +463,8 @@ async fn simulate(
     let client = connect(addr).await?;
     let sim = Arc::new(Sim {
         watched: Mutex::new(Watched {
-            applied: vec![0; a.watchers],
+            applied: vec![(0, Instant::now()); a.watchers],
+            read: vec![(0, Instant::now()); a.readers],
             messages: Vec::new(),
         }),
         changed: tokio::sync::Notify::new(),
@@ -508,15 +547,59 @@ async fn simulate(
                 sim.latest.fetch_max(map.epoch, Ordering::Relaxed);
                 {
                     let mut wd = sim.watched.lock().unwrap();
-                    wd.applied[w] = map.epoch;
+                    wd.applied[w] = (map.epoch, Instant::now());
                     wd.messages.push((map.epoch, len, delta));
                 }
                 sim.changed.notify_waiters();
             }
         }));
     }
+    for w in 0..a.readers {
+        let (mut c, sim) = (client.clone(), sim.clone());
+        let probes = a.reader_extents.clamp(1, extents);
+        tasks.push(tokio::spawn(async move {
+            let Ok(resp) = c
+                .watch_map(WatchMapRequest {
+                    min_epoch: 0,
+                    compact: true,
+                })
+                .await
+            else {
+                return;
+            };
+            let mut stream = resp.into_inner();
+            let mut applier = pagewire_proto::lazy::LazyApplier::new();
+            while let Ok(Some(msg)) = stream.message().await {
+                // Applying is O(members): no blocking thread needed.
+                let map = match applier.apply(msg) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        eprintln!("mapscale: reader {w}: {e}");
+                        return;
+                    }
+                };
+                // What a reader's first reads of the epoch resolve.
+                let mut owned = 0u64;
+                for k in 0..probes {
+                    let e = (k * extents / probes + u64::try_from(w).unwrap_or(0)) % extents;
+                    owned += u64::from(map.owner(e) != 0 || map.previous_owner(e) != 0);
+                }
+                if owned != probes {
+                    eprintln!(
+                        "mapscale: reader {w}: an extent with no owner at epoch {}",
+                        map.epoch
+                    );
+                    return;
+                }
+                sim.latest.fetch_max(map.epoch, Ordering::Relaxed);
+                sim.watched.lock().unwrap().read[w] = (map.epoch, Instant::now());
+                sim.changed.notify_waiters();
+            }
+        }));
+    }
     let limit = Duration::from_secs(600);
     sim.wait_all_applied(1, limit).await?;
+    sim.wait_all_read(1, limit).await?;
     let setup_s = started.elapsed().as_secs_f64();
     // Every member heartbeats once before the window.
     tokio::time::sleep(interval * 2).await;
@@ -547,6 +630,7 @@ async fn simulate(
 
     let mut join_ms = Vec::new();
     let mut register_ms = Vec::new();
+    let mut read_ms = Vec::new();
     let mut delta_join = Vec::new();
     let mut delta_done = Vec::new();
     for j in 0..a.joins {
@@ -569,6 +653,8 @@ async fn simulate(
         sim.latest.fetch_max(epoch, Ordering::Relaxed);
         let done = sim.wait_all_applied(epoch, limit).await?;
         join_ms.push((done - t0).as_secs_f64() * 1e3);
+        let read = sim.wait_all_read(epoch, limit).await?;
+        read_ms.push((read - t0).as_secs_f64() * 1e3);
         let handoff = r
             .map
             .as_ref()
@@ -603,6 +689,7 @@ async fn simulate(
         expanded_bytes,
         join_to_all_watchers_ms: report::median(join_ms),
         register_ms: report::median(register_ms),
+        join_to_all_readers_ms: report::median(read_ms),
         coordinator_cpu_us_per_heartbeat: (coord1 - coord0) * 1e6 / hbs as f64,
         process_cpu_us_per_heartbeat: (proc1 - proc0) * 1e6 / hbs as f64,
         heartbeats_in_window: hbs,
