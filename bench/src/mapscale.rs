@@ -364,6 +364,21 @@ async fn connect(addr: &str) -> anyhow::Result<Client> {
     )
 }
 
+/// A `WatchMap` stream of compact maps and deltas from the first epoch
+/// (None: the call failed; the watcher then stays at epoch 0 and the cell
+/// fails on its deadline).
+async fn watch_compact(
+    c: &mut Client,
+) -> Option<tonic::Streaming<pagewire_proto::v1::OwnershipMap>> {
+    c.watch_map(WatchMapRequest {
+        min_epoch: 0,
+        compact: true,
+    })
+    .await
+    .ok()
+    .map(tonic::Response::into_inner)
+}
+
 fn cell(a: &Args, extents: u64, members: u32) -> anyhow::Result<Row> {
     let dir = tempfile::tempdir()?;
     let state = dir.path().join("state");
@@ -510,16 +525,9 @@ async fn simulate(
     for w in 0..a.watchers {
         let (mut c, sim) = (client.clone(), sim.clone());
         tasks.push(tokio::spawn(async move {
-            let Ok(resp) = c
-                .watch_map(WatchMapRequest {
-                    min_epoch: 0,
-                    compact: true,
-                })
-                .await
-            else {
+            let Some(mut stream) = watch_compact(&mut c).await else {
                 return;
             };
-            let mut stream = resp.into_inner();
             let mut follower = Some(pagewire_proto::map::MapApplier::new());
             while let Ok(Some(msg)) = stream.message().await {
                 let len = msg.encoded_len() as u64;
@@ -558,16 +566,9 @@ async fn simulate(
         let (mut c, sim) = (client.clone(), sim.clone());
         let probes = a.reader_extents.clamp(1, extents);
         tasks.push(tokio::spawn(async move {
-            let Ok(resp) = c
-                .watch_map(WatchMapRequest {
-                    min_epoch: 0,
-                    compact: true,
-                })
-                .await
-            else {
+            let Some(mut stream) = watch_compact(&mut c).await else {
                 return;
             };
-            let mut stream = resp.into_inner();
             let mut applier = pagewire_proto::lazy::LazyApplier::new();
             while let Ok(Some(msg)) = stream.message().await {
                 // Applying is O(members): no blocking thread needed.
