@@ -48,10 +48,9 @@ fn mapscale_quick_measures_every_cell() {
         assert!(get(r, "delta_join_bytes") < compact, "{r}");
         assert!(get(r, "join_to_all_watchers_ms") > 0.0, "{r}");
         assert!(get(r, "register_ms") > 0.0, "{r}");
-        assert!(
-            get(r, "register_ms") <= get(r, "join_to_all_watchers_ms"),
-            "{r}"
-        );
+        // No order between these: the coordinator publishes an epoch before
+        // it answers Register, so watchers may apply it first.
+        assert!(get(r, "join_to_all_readers_ms") > 0.0, "{r}");
         assert!(get(r, "heartbeats_in_window") > 0.0, "{r}");
         assert!(get(r, "coordinator_cpu_us_per_heartbeat") > 0.0, "{r}");
     }
