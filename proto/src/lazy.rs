@@ -34,15 +34,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::map::{self, MAX_EXTENTS, MapError};
+use crate::map::{self, MAX_EXTENTS, MapError, NO_SKIP};
 use crate::rendezvous::{self, NodeTable, Seeded};
 use crate::v1::{CompactMap, MapNode, OwnershipMap};
 
 /// Extents per cache chunk.
 const CHUNK: u64 = 1 << 16;
-
-/// A node a layer does not skip.
-const NO_SKIP: usize = usize::MAX;
 
 /// How answers were found, for tests and benchmarks.
 #[derive(Debug, Default)]
@@ -294,16 +291,9 @@ impl LazyMap {
             built.insert(id, owners.clone());
             Ok(owners)
         };
-        let layer = |l: &crate::v1::Layer, set: Arc<SetOwners>| Layer {
-            set,
-            skips: NodeTable::new(
-                NO_SKIP,
-                l.except.iter().enumerate().map(|(k, &v)| {
-                    let r = l.resume.get(k).map_or(0, |&r| r as usize);
-                    (v, r.min(NO_SKIP - 1))
-                }),
-            ),
-            any: !l.except.is_empty(),
+        let layer = |l: &crate::v1::Layer, set: Arc<SetOwners>| {
+            let (skips, any) = map::layer_skips(l);
+            Layer { set, skips, any }
         };
         let owner = set(full.owner_set, "owner_set")?;
         let mut handoff = Vec::new();

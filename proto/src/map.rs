@@ -136,7 +136,21 @@ type Key = Vec<(u32, u64, u64)>;
 type ResolvedLayer = (Arc<Vec<u32>>, NodeTable<usize>, bool);
 
 /// A node a layer does not skip.
-const NO_SKIP: usize = usize::MAX;
+pub(crate) const NO_SKIP: usize = usize::MAX;
+
+/// A layer's skips: node → the layer to resume at (`NO_SKIP` for a node it
+/// does not skip), and whether it has any (so a scan can skip the lookup).
+pub(crate) fn layer_skips(l: &crate::v1::Layer) -> (NodeTable<usize>, bool) {
+    let t = NodeTable::new(
+        NO_SKIP,
+        l.except.iter().enumerate().map(|(k, &v)| {
+            let r = l.resume.get(k).map_or(0, |&r| r as usize);
+            // A resume of NO_SKIP still moves on (to the next layer).
+            (v, r.min(NO_SKIP - 1))
+        }),
+    );
+    (t, !l.except.is_empty())
+}
 
 /// One cached owner array.
 struct Cached {
@@ -298,19 +312,8 @@ impl Expander {
             Ok(self.owners(s, &ids, extents))
         };
         let owner_arr = get(map.owner_set, "owner_set")?;
-        let skips = |l: &crate::v1::Layer| -> (NodeTable<usize>, bool) {
-            let t = NodeTable::new(
-                NO_SKIP,
-                l.except.iter().enumerate().map(|(k, &v)| {
-                    let r = l.resume.get(k).map_or(0, |&r| r as usize);
-                    // A resume of NO_SKIP still moves on (to the next layer).
-                    (v, r.min(NO_SKIP - 1))
-                }),
-            );
-            (t, !l.except.is_empty())
-        };
         let resolved = |o: Arc<Vec<u32>>, l: &crate::v1::Layer| -> ResolvedLayer {
-            let (t, any) = skips(l);
+            let (t, any) = layer_skips(l);
             (o, t, any)
         };
         let handoff: Vec<ResolvedLayer> = map
