@@ -39,6 +39,40 @@ pub enum ReadError {
     Timeout,
 }
 
+/// Why a CALL on a `tcp` connection
+/// ([`TcpConnection::call`](crate::tcp::TcpConnection::call)) brought no
+/// reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// READs are outstanding on the connection (a call waits for its own
+    /// reply alone, so it needs an idle connection); nothing was sent.
+    #[error("{0} requests outstanding on the connection; a call needs it idle")]
+    Busy(usize),
+    /// The argument is longer than the wire allows; nothing was sent.
+    #[error("call argument of {len} bytes (limit {limit})")]
+    TooLong {
+        /// The argument's length.
+        len: usize,
+        /// [`crate::tcp::MAX_CALL_ARG`].
+        limit: usize,
+    },
+    /// The owner has no call handler installed; the connection is still
+    /// usable.
+    #[error("the owner answers no calls")]
+    NoHandler,
+    /// The owner refused the call (a stale epoch: the owner restarted; a
+    /// bad request); the connection is still usable.
+    #[error("the owner refused the call: {0:?}")]
+    Refused(AccessFault),
+    /// The connection broke before the reply came.
+    #[error("connection lost")]
+    ConnectionLost,
+    /// No reply within the call's timeout (a late one is skipped).
+    #[error("timed out")]
+    Timeout,
+}
+
 /// Why a batch could not be posted; nothing of the batch was posted.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -66,7 +66,9 @@ pub use async_conn::AsyncConnection;
 pub use conn::{Completion, Connection, Limits, ReadRequest, read_blocking};
 pub use copy::Chaos;
 pub use descriptor::{DecodeError, RegionDescriptor};
-pub use error::{AccessFault, ConnectError, OwnerError, PostError, ReadError, RegisterError};
+pub use error::{
+    AccessFault, CallError, ConnectError, OwnerError, PostError, ReadError, RegisterError,
+};
 pub use memory::MemoryOwner;
 pub use shared::{SharedConnection, SharedHandle, WeakShared};
 

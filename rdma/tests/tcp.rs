@@ -195,3 +195,104 @@ fn wrong_token_is_refused() {
         let _ok = <Tcp as conformance::Harness>::connect(&h);
     });
 }
+
+/// CALLs share a connection with READs: the handler's reply comes back,
+/// READs before and after it complete, and an owner without a handler, a
+/// call for another epoch and an argument too long are refused while the
+/// connection keeps working.
+#[test]
+fn calls_reach_the_handler_between_reads() {
+    use pagewire_rdma::CallError;
+    use pagewire_rdma::tcp::MAX_CALL_ARG;
+    let owner = TcpOwner::bind("127.0.0.1:0", OwnerConfig::new(TOKEN)).expect("bind");
+    let r = owner.register(8192).expect("register");
+    r.write_bytes(0, &(0..=255u8).cycle().take(8192).collect::<Vec<_>>());
+    let d = r.descriptor();
+    let mut c =
+        TcpConnection::connect(owner.local_addr(), ConnectionConfig::new(TOKEN)).expect("connect");
+    let read = |c: &mut TcpConnection, off: u64| {
+        let mut b = [0u8; 4];
+        let res = pagewire_rdma::read_blocking(c, d, &mut [(off, &mut b[..])]).expect("post");
+        assert_eq!(res, vec![Ok(())]);
+        b
+    };
+    let t = Duration::from_secs(10);
+    assert_eq!(c.call(d.epoch, b"ping", t), Err(CallError::NoHandler));
+    assert_eq!(read(&mut c, 4), [4, 5, 6, 7]);
+    owner.set_call_handler(Arc::new(|arg: &[u8], out: &mut Vec<u8>| {
+        out.extend(arg.iter().rev());
+        out.extend_from_slice(&(arg.len() as u64).to_le_bytes());
+    }));
+    let mut want: Vec<u8> = b"gnip".to_vec();
+    want.extend_from_slice(&4u64.to_le_bytes());
+    assert_eq!(c.call(d.epoch, b"ping", t), Ok(want));
+    assert_eq!(read(&mut c, 8), [8, 9, 10, 11]);
+    // Empty and largest arguments.
+    assert_eq!(c.call(d.epoch, b"", t), Ok(0u64.to_le_bytes().to_vec()));
+    let big: Vec<u8> = (0..MAX_CALL_ARG).map(|i| (i % 251) as u8).collect();
+    let got = c.call(d.epoch, &big, t).expect("largest argument");
+    assert_eq!(got.len(), MAX_CALL_ARG + 8);
+    assert!(got[..MAX_CALL_ARG].iter().eq(big.iter().rev()));
+    assert_eq!(
+        c.call(d.epoch, &vec![0; MAX_CALL_ARG + 1], t),
+        Err(CallError::TooLong {
+            len: MAX_CALL_ARG + 1,
+            limit: MAX_CALL_ARG
+        })
+    );
+    assert_eq!(
+        c.call(d.epoch ^ 1, b"x", t),
+        Err(CallError::Refused(pagewire_rdma::AccessFault::StaleEpoch))
+    );
+    assert_eq!(read(&mut c, 8188), [252, 253, 254, 255]);
+}
+
+/// A call is refused while READs are outstanding (nothing sent), and one
+/// whose handler outlives its timeout times out; its late reply is
+/// skipped, and the next call and READ get their own answers.
+#[test]
+fn a_late_call_reply_is_skipped() {
+    use pagewire_rdma::CallError;
+    let owner = TcpOwner::bind("127.0.0.1:0", OwnerConfig::new(TOKEN)).expect("bind");
+    let r = owner.register(4096).expect("register");
+    r.write_bytes(0, &[7; 4096]);
+    let d = r.descriptor();
+    owner.set_call_handler(Arc::new(|arg: &[u8], out: &mut Vec<u8>| {
+        if arg == b"slow" {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        out.extend_from_slice(arg);
+    }));
+    let mut c =
+        TcpConnection::connect(owner.local_addr(), ConnectionConfig::new(TOKEN)).expect("connect");
+    let mut b = [0u8; 16];
+    let req = pagewire_rdma::ReadRequest::new(1, d, 0, &mut b);
+    // SAFETY: `b` lives and is untouched until its completion is waited for below.
+    unsafe { c.post_reads(&[req]).expect("post") };
+    assert_eq!(
+        c.call(d.epoch, b"x", Duration::from_secs(1)),
+        Err(CallError::Busy(1))
+    );
+    let mut done = Vec::new();
+    while done.is_empty() {
+        c.wait(&mut done, Duration::from_secs(1));
+    }
+    assert_eq!(done[0].result, Ok(()));
+    assert_eq!(b, [7; 16]);
+    let t0 = Instant::now();
+    assert_eq!(
+        c.call(d.epoch, b"slow", Duration::from_millis(50)),
+        Err(CallError::Timeout)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        c.call(d.epoch, b"fast", Duration::from_secs(10)),
+        Ok(b"fast".to_vec())
+    );
+    let res = pagewire_rdma::read_blocking(&mut c, d, &mut [(8, &mut b[..4])]).expect("post after");
+    assert_eq!(res, vec![Ok(())]);
+}

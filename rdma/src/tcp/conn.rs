@@ -2,7 +2,9 @@
 //! request in flight (the wire request id is the slot's index and
 //! generation, so a late answer to a timed-out READ is recognised and
 //! skipped), writes a batch of requests with one `send`, and parses answers
-//! out of one receive buffer into the callers' buffers.
+//! out of one receive buffer into the callers' buffers. A CALL
+//! ([`TcpConnection::call`]) takes a slot of its own on an idle connection
+//! and waits for its reply like a READ.
 
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
@@ -11,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use crate::spin::AdaptiveSpin;
 use crate::{
-    AccessFault, Completion, ConnectError, Connection, Limits, PostError, ReadError, ReadRequest,
-    handshake, spin,
+    AccessFault, CallError, Completion, ConnectError, Connection, Limits, PostError, ReadError,
+    ReadRequest, handshake, spin,
 };
 
 use super::wire::{
-    MAGIC, REQUEST_LEN, RESPONSE_HEADER_LEN, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH,
-    ST_UNKNOWN_KEY, push_read,
+    CALL_REPLY_SLACK, MAGIC, MAX_CALL_ARG, REQUEST_LEN, RESPONSE_HEADER_LEN, ST_NO_HANDLER, ST_OK,
+    ST_OUT_OF_BOUNDS, ST_STALE_EPOCH, ST_UNKNOWN_KEY, push_call, push_read,
 };
 use super::{DEFAULT_SPIN, HANDSHAKE_TIMEOUT};
 
@@ -71,9 +73,14 @@ enum Slot {
         len: usize,
         deadline: Instant,
     },
-    /// Timed out and completed; its late answer is still to be skipped.
+    /// A CALL waiting for its reply (any length up to the reply limit).
+    Call {
+        deadline: Instant,
+    },
+    /// Timed out and completed; its late answer is still to be skipped
+    /// (`None`: a CALL's, of any length).
     Abandoned {
-        len: usize,
+        len: Option<usize>,
     },
 }
 
@@ -92,6 +99,8 @@ pub struct TcpConnection {
     lost: bool,
     next_expiry: Option<Instant>,
     spin: AdaptiveSpin,
+    /// The outcome of the CALL in flight, once there is one.
+    call_done: Option<Result<Vec<u8>, CallError>>,
 }
 
 // SAFETY: the raw pointers in `slots` are the local buffers of posted READs;
@@ -134,8 +143,69 @@ impl TcpConnection {
             lost: false,
             next_expiry: None,
             spin: AdaptiveSpin::new(&spin::READER, config.spin),
+            call_done: None,
             config,
         })
+    }
+
+    /// Sends `arg` to the owner's call handler (see the wire format in
+    /// `wire.rs`) and waits up to `timeout` for its reply. `epoch` is the
+    /// owner's (a region descriptor's): a call meant for an earlier
+    /// incarnation is refused. Waits like [`Connection::wait`] (spinning
+    /// first). The connection must be idle: a call with READs outstanding
+    /// is refused ([`CallError::Busy`]) before anything is sent.
+    ///
+    /// # Errors
+    /// [`CallError`]: `Busy` and `TooLong` sent nothing; `NoHandler` and
+    /// `Refused` leave the connection usable; after `Timeout` the late
+    /// reply is skipped when it comes; `ConnectionLost` is for good.
+    pub fn call(
+        &mut self,
+        epoch: u64,
+        arg: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>, CallError> {
+        if self.lost {
+            return Err(CallError::ConnectionLost);
+        }
+        if self.outstanding > 0 {
+            return Err(CallError::Busy(self.outstanding));
+        }
+        if arg.len() > MAX_CALL_ARG {
+            return Err(CallError::TooLong {
+                len: arg.len(),
+                limit: MAX_CALL_ARG,
+            });
+        }
+        // Every slot can be waiting for a late answer to skip.
+        let Some(idx) = self.free.pop() else {
+            return Err(CallError::Busy(0));
+        };
+        let deadline = Instant::now() + timeout;
+        let (gen_, slot) = &mut self.slots[idx as usize];
+        *gen_ = gen_.wrapping_add(1);
+        *slot = Slot::Call { deadline };
+        let wire = (u64::from(*gen_) << 32) | u64::from(idx);
+        self.sbuf.clear();
+        push_call(&mut self.sbuf, wire, epoch, arg);
+        self.outstanding += 1;
+        self.next_expiry = Some(self.next_expiry.map_or(deadline, |n| n.min(deadline)));
+        self.call_done = None;
+        if let Err(e) = self.stream.write_all(&self.sbuf) {
+            tracing::debug!(error = %e, "tcp connection: send failed");
+            self.lose();
+        }
+        let mut none = Vec::new();
+        loop {
+            if let Some(r) = self.call_done.take() {
+                return r;
+            }
+            // Returns once the call completed (nothing else is outstanding),
+            // or at the deadline, when `expire` completes it.
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.wait(&mut none, left.max(WAIT_QUANTUM));
+            debug_assert!(none.is_empty(), "a call's wait completed a READ");
+        }
     }
 
     /// Marks the connection lost: every pending READ completes with
@@ -155,6 +225,10 @@ impl TcpConnection {
                     });
                     self.free.push(i as u32);
                 }
+                Slot::Call { .. } => {
+                    self.call_done = Some(Err(CallError::ConnectionLost));
+                    self.free.push(i as u32);
+                }
                 Slot::Abandoned { .. } => self.free.push(i as u32),
                 Slot::Free => {}
             }
@@ -167,20 +241,31 @@ impl TcpConnection {
     fn expire(&mut self, now: Instant) {
         let mut next: Option<Instant> = None;
         for (_, slot) in &mut self.slots {
-            if let Slot::Pending {
-                id, len, deadline, ..
-            } = *slot
-            {
-                if deadline <= now {
-                    *slot = Slot::Abandoned { len };
-                    self.outstanding -= 1;
-                    self.ready.push(Completion {
-                        id,
-                        result: Err(ReadError::Timeout),
-                    });
-                } else {
-                    next = Some(next.map_or(deadline, |n| n.min(deadline)));
+            match *slot {
+                Slot::Pending {
+                    id, len, deadline, ..
+                } => {
+                    if deadline <= now {
+                        *slot = Slot::Abandoned { len: Some(len) };
+                        self.outstanding -= 1;
+                        self.ready.push(Completion {
+                            id,
+                            result: Err(ReadError::Timeout),
+                        });
+                    } else {
+                        next = Some(next.map_or(deadline, |n| n.min(deadline)));
+                    }
                 }
+                Slot::Call { deadline } => {
+                    if deadline <= now {
+                        *slot = Slot::Abandoned { len: None };
+                        self.outstanding -= 1;
+                        self.call_done = Some(Err(CallError::Timeout));
+                    } else {
+                        next = Some(next.map_or(deadline, |n| n.min(deadline)));
+                    }
+                }
+                Slot::Free | Slot::Abandoned { .. } => {}
             }
         }
         self.next_expiry = next;
@@ -198,10 +283,11 @@ impl TcpConnection {
             let wire = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
             let idx = (wire & 0xffff_ffff) as usize;
             let gen_ = (wire >> 32) as u32;
+            // `None`: a CALL's reply, of any length up to the limit.
             let slot_len = match self.slots.get(idx) {
-                Some((g, Slot::Pending { len, .. } | Slot::Abandoned { len })) if *g == gen_ => {
-                    *len
-                }
+                Some((g, Slot::Pending { len, .. })) if *g == gen_ => Some(*len),
+                Some((g, Slot::Abandoned { len })) if *g == gen_ => *len,
+                Some((g, Slot::Call { .. })) if *g == gen_ => None,
                 _ => {
                     tracing::warn!(
                         "tcp connection: answer for no outstanding request; dropping the connection"
@@ -211,7 +297,9 @@ impl TcpConnection {
                 }
             };
             let payload = if status == ST_OK { len } else { 0 };
-            if (status == ST_OK && len != slot_len) || (status != ST_OK && len != 0) {
+            let reply_limit = self.config.max_read_len.saturating_add(CALL_REPLY_SLACK);
+            let fits = slot_len.map_or(len <= reply_limit, |l| l == len);
+            if (status == ST_OK && !fits) || (status != ST_OK && len != 0) {
                 tracing::warn!("tcp connection: malformed answer; dropping the connection");
                 self.lose();
                 break;
@@ -231,6 +319,17 @@ impl TcpConnection {
             let body = self.rstart + RESPONSE_HEADER_LEN;
             let slot = std::mem::replace(&mut self.slots[idx].1, Slot::Free);
             self.free.push(idx as u32);
+            if let Slot::Call { .. } = slot {
+                self.outstanding -= 1;
+                self.call_done = Some(match status {
+                    ST_OK => Ok(self.rbuf[body..body + len].to_vec()),
+                    ST_NO_HANDLER => Err(CallError::NoHandler),
+                    ST_STALE_EPOCH => Err(CallError::Refused(AccessFault::StaleEpoch)),
+                    ST_UNKNOWN_KEY => Err(CallError::Refused(AccessFault::UnknownKey)),
+                    ST_OUT_OF_BOUNDS => Err(CallError::Refused(AccessFault::OutOfBounds)),
+                    _ => Err(CallError::Refused(AccessFault::BadRequest)),
+                });
+            }
             if let Slot::Pending { id, local, len, .. } = slot {
                 self.outstanding -= 1;
                 let result = match status {
@@ -364,9 +463,7 @@ unsafe impl Connection for TcpConnection {
             );
         }
         self.outstanding += reads.len();
-        if self.next_expiry.is_none() {
-            self.next_expiry = Some(deadline);
-        }
+        self.next_expiry = Some(self.next_expiry.map_or(deadline, |n| n.min(deadline)));
         if let Err(e) = self.stream.write_all(&self.sbuf) {
             tracing::debug!(error = %e, "tcp connection: send failed");
             self.lose();

@@ -12,7 +12,12 @@
 //! region, and the connection carries on. A reader opens a [`TcpConnection`],
 //! which pipelines many outstanding requests and writes a whole batch with
 //! one `send`; the owner answers everything one `recv` brought in with
-//! one `send`. Each connection starts with a mutual handshake over a shared
+//! one `send`. Besides READs, a connection carries CALLs: an argument
+//! the owner's process hands to a handler it installed, whose reply comes
+//! back on the same connection ([`TcpConnection::call`],
+//! [`TcpOwner::set_call_handler`]); the node daemon answers page faults
+//! there, so a miss costs one round trip of this transport instead of a
+//! gRPC call. Each connection starts with a mutual handshake over a shared
 //! cluster token (HMAC-SHA256 challenge-response, see `wire.rs`).
 //!
 //! The files: `wire.rs` (the byte layout of the handshake, requests and
@@ -48,8 +53,8 @@ use crate::{ConnectError, handshake};
 /// How this process's readers and responders polled: `(reader, responder)`.
 pub use crate::spin::{SpinStats, stats as spin_stats};
 pub use conn::{ConnectionConfig, TcpConnection};
-pub use owner::{OwnerConfig, TcpOwner, TcpRegion};
-pub use wire::{REQUEST_LEN, RESPONSE_HEADER_LEN};
+pub use owner::{CallHandler, OwnerConfig, TcpOwner, TcpRegion};
+pub use wire::{MAX_CALL_ARG, REQUEST_LEN, RESPONSE_HEADER_LEN};
 
 use wire::MAGIC;
 

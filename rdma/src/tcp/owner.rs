@@ -3,6 +3,8 @@
 //! A serving thread answers every whole request one `recv` brought in, under
 //! the region table's read lock, with one `send`; dropping a [`TcpRegion`]
 //! takes the write lock, so no serving thread reads its memory afterwards.
+//! A CALL runs the process's [`CallHandler`] on the serving thread, with no
+//! lock held, after the answers before it have been sent.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -20,8 +22,9 @@ use crate::spin::AdaptiveSpin;
 use crate::{LocalRegion, OwnerError, RegionDescriptor, RegisterError, handshake, spin};
 
 use super::wire::{
-    MAGIC, OP_READ, REQUEST_LEN, ST_BAD_REQUEST, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH,
-    ST_UNKNOWN_KEY, push_header,
+    CALL_REPLY_SLACK, MAGIC, MAX_CALL_ARG, OP_CALL, OP_READ, REQUEST_LEN, RESPONSE_HEADER_LEN,
+    ST_BAD_REQUEST, ST_NO_HANDLER, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH, ST_UNKNOWN_KEY,
+    push_header,
 };
 use super::{DEFAULT_SPIN, HANDSHAKE_TIMEOUT};
 
@@ -59,6 +62,12 @@ impl OwnerConfig {
     }
 }
 
+/// What a [`TcpOwner`] runs for each CALL: the argument, and the reply
+/// to append to the vector (which holds other answers before it: append
+/// only). It runs on the serving thread of the caller's connection, which
+/// answers nothing else meanwhile.
+pub type CallHandler = Arc<dyn Fn(&[u8], &mut Vec<u8>) + Send + Sync>;
+
 struct RegionMem {
     mem: Memory,
     rkey: u32,
@@ -72,6 +81,7 @@ struct Shared {
     spin_ns: AtomicU64,
     epoch: u64,
     regions: RwLock<HashMap<u32, Arc<RegionMem>>>,
+    handler: RwLock<Option<CallHandler>>,
     closed: AtomicBool,
     next_conn: AtomicU64,
     conns: Mutex<HashMap<u64, TcpStream>>,
@@ -103,6 +113,7 @@ impl TcpOwner {
             config,
             epoch,
             regions: RwLock::new(HashMap::new()),
+            handler: RwLock::new(None),
             closed: AtomicBool::new(false),
             next_conn: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
@@ -133,6 +144,13 @@ impl TcpOwner {
         self.shared
             .spin_ns
             .store(duration_ns(spin), Ordering::Relaxed);
+    }
+
+    /// Installs the handler every later CALL runs (replacing any earlier
+    /// one). Until one is installed, CALLs are answered `no handler`
+    /// ([`CallError::NoHandler`](crate::CallError::NoHandler)).
+    pub fn set_call_handler(&self, handler: CallHandler) {
+        *self.shared.handler.write().expect("handler lock") = Some(handler);
     }
 
     /// The epoch every descriptor of this owner carries.
@@ -344,8 +362,13 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
         return Ok(());
     }
     stream.set_read_timeout(None)?;
+    // Room for a whole CALL (40 bytes and its argument) behind the partial
+    // request a `recv` may leave.
     let mut input = vec![0u8; 64 << 10];
+    const _: () = assert!(2 * (REQUEST_LEN + MAX_CALL_ARG) <= 64 << 10);
     let mut have = 0;
+    // Bytes of a refused CALL's argument still to skip.
+    let mut discard = 0usize;
     let mut out: Vec<u8> = Vec::with_capacity(256 << 10);
     let mut spin_ns = shared.spin_ns.load(Ordering::Relaxed);
     let mut spin = AdaptiveSpin::new(&spin::RESPONDER, Duration::from_nanos(spin_ns));
@@ -360,17 +383,90 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
             return Ok(());
         }
         have += n;
-        let whole = have - have % REQUEST_LEN;
         out.clear();
+        let mut at = 0;
         {
-            let regions = shared.regions.read().expect("regions lock");
-            for req in input[..whole].chunks_exact(REQUEST_LEN) {
-                answer(req, &regions, &shared.config, &mut out);
+            // Taken at the first READ, let go before a CALL's handler runs.
+            let mut regions = None;
+            loop {
+                if discard > 0 {
+                    let d = discard.min(have - at);
+                    (at, discard) = (at + d, discard - d);
+                    if discard > 0 {
+                        break;
+                    }
+                }
+                if have - at < REQUEST_LEN {
+                    break;
+                }
+                let req = &input[at..at + REQUEST_LEN];
+                if req[0] != OP_CALL {
+                    let r =
+                        regions.get_or_insert_with(|| shared.regions.read().expect("regions lock"));
+                    answer(req, r, &shared.config, &mut out);
+                    at += REQUEST_LEN;
+                    continue;
+                }
+                let len = u32::from_le_bytes(req[4..8].try_into().expect("4 bytes")) as usize;
+                let id = u64::from_le_bytes(req[8..16].try_into().expect("8 bytes"));
+                let epoch = u64::from_le_bytes(req[32..40].try_into().expect("8 bytes"));
+                if len > MAX_CALL_ARG {
+                    // Refused, and its argument skipped as it comes in.
+                    push_header(&mut out, ST_BAD_REQUEST, 0, id);
+                    (at, discard) = (at + REQUEST_LEN, len);
+                    continue;
+                }
+                if have - at < REQUEST_LEN + len {
+                    break;
+                }
+                regions = None;
+                // The answers before the call go out first: the handler may
+                // take a while (a backing read).
+                if !out.is_empty() {
+                    stream.write_all(&out)?;
+                    out.clear();
+                }
+                let arg = &input[at + REQUEST_LEN..at + REQUEST_LEN + len];
+                call(arg, id, epoch, shared, &mut out);
+                at += REQUEST_LEN + len;
             }
         }
-        input.copy_within(whole..have, 0);
-        have -= whole;
-        stream.write_all(&out)?;
+        input.copy_within(at..have, 0);
+        have -= at;
+        if !out.is_empty() {
+            stream.write_all(&out)?;
+        }
+    }
+}
+
+/// Appends the answer to one CALL: the handler's reply, or why there is
+/// none.
+fn call(arg: &[u8], id: u64, epoch: u64, shared: &Shared, out: &mut Vec<u8>) {
+    if epoch != shared.epoch {
+        push_header(out, ST_STALE_EPOCH, 0, id);
+        return;
+    }
+    let handler = shared.handler.read().expect("handler lock").clone();
+    let Some(handler) = handler else {
+        push_header(out, ST_NO_HANDLER, 0, id);
+        return;
+    };
+    let at = out.len();
+    push_header(out, ST_OK, 0, id);
+    handler(arg, out);
+    let len = out.len() - at - RESPONSE_HEADER_LEN;
+    let limit = (shared.config.max_read_len as usize).saturating_add(CALL_REPLY_SLACK);
+    match u32::try_from(len) {
+        Ok(l) if len <= limit => out[at + 4..at + 8].copy_from_slice(&l.to_le_bytes()),
+        _ => {
+            tracing::warn!(
+                len,
+                limit,
+                "tcp responder: a call handler's reply is too long; answering bad request"
+            );
+            out.truncate(at);
+            push_header(out, ST_BAD_REQUEST, 0, id);
+        }
     }
 }
 
@@ -598,5 +694,35 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         s.write_all(&req[17..]).expect("send rest");
         assert_eq!(response(&mut s), (ST_OK, 9, vec![1, 2, 3]));
+    }
+
+    /// A CALL whose argument is longer than the wire allows is refused and
+    /// its argument skipped, even when it comes in pieces; a CALL split
+    /// across writes, and the READ behind it, are served.
+    #[test]
+    fn an_oversized_call_is_refused_and_skipped() {
+        let resp = TcpOwner::bind("127.0.0.1:0", OwnerConfig::new(b"t".to_vec())).expect("bind");
+        let r = resp.register(4096).expect("register");
+        r.write_bytes(0, &[9; 4096]);
+        let d = r.descriptor();
+        resp.set_call_handler(Arc::new(|arg: &[u8], out: &mut Vec<u8>| {
+            out.extend_from_slice(arg);
+        }));
+        let mut s = TcpStream::connect(resp.local_addr()).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        handshake::client(&mut s, MAGIC, b"t").expect("handshake");
+        let big = vec![0xAB; MAX_CALL_ARG + 5000];
+        let mut req = Vec::new();
+        super::super::wire::push_call(&mut req, 1, d.epoch, &big);
+        req.extend(request(OP_READ, 2, 2, d.addr, d.rkey, d.epoch));
+        super::super::wire::push_call(&mut req, 3, d.epoch, b"abc");
+        for part in req.chunks(7000) {
+            s.write_all(part).expect("send");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(response(&mut s), (ST_BAD_REQUEST, 1, vec![]));
+        assert_eq!(response(&mut s), (ST_OK, 2, vec![9, 9]));
+        assert_eq!(response(&mut s), (ST_OK, 3, b"abc".to_vec()));
     }
 }

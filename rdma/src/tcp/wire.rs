@@ -15,7 +15,7 @@
 //!
 //! | offset | size | field |
 //! | --- | --- | --- |
-//! | 0 | 1 | opcode: 1 = READ (2 = compare-and-swap, 3 = fetch-and-add reserved) |
+//! | 0 | 1 | opcode: 1 = READ, 4 = CALL (2 = compare-and-swap, 3 = fetch-and-add reserved) |
 //! | 1 | 1 | flags, 0 |
 //! | 2 | 2 | reserved, 0 |
 //! | 4 | 4 | length in bytes |
@@ -29,11 +29,25 @@
 //!
 //! | offset | size | field |
 //! | --- | --- | --- |
-//! | 0 | 1 | status: 0 = ok, 1 = unknown rkey, 2 = stale epoch, 3 = out of bounds, 4 = bad request |
+//! | 0 | 1 | status: 0 = ok, 1 = unknown rkey, 2 = stale epoch, 3 = out of bounds, 4 = bad request, 5 = no handler (CALL) |
 //! | 1 | 3 | reserved, 0 |
-//! | 4 | 4 | payload length: the request's length when ok, else 0 |
+//! | 4 | 4 | payload length: the request's length when ok (a CALL: the reply's), else 0 |
 //! | 8 | 8 | request id |
 //! | 16 | len | the bytes read |
+//!
+//! A CALL (opcode 4) is a request of the same 40 bytes followed by
+//! `length` bytes of argument (at most [`MAX_CALL_ARG`]); its address and
+//! rkey are 0 and its epoch is the owner's (a call meant for an earlier
+//! incarnation of the owner gets `stale epoch`). The owner hands the
+//! argument to the handler its process installed
+//! ([`TcpOwner::set_call_handler`](super::TcpOwner::set_call_handler)) and
+//! answers with status ok and the handler's reply as the payload (any
+//! length up to the owner's `max_read_len` plus 1 MiB), or `no handler`
+//! (status 5) when none is installed. The transport does not look inside
+//! either: pagewire's node daemon answers a page fault there
+//! (`pagewire_proto::call`). Calls are answered in request order like
+//! READs, so a call holds up the READs behind it on its connection for as
+//! long as its handler runs.
 //!
 //! A READ is valid when its rkey names a live region of this responder, its
 //! epoch is that region's, `1 <= length <= max_read_len` and `[address,
@@ -48,13 +62,20 @@ pub(super) const MAGIC: &[u8; 8] = b"PWTCP\0\0\x01";
 pub const REQUEST_LEN: usize = 40;
 /// Size of one response header on the wire.
 pub const RESPONSE_HEADER_LEN: usize = 16;
+/// The largest argument of one CALL, in bytes.
+pub const MAX_CALL_ARG: usize = 16 << 10;
+/// How much longer than `max_read_len` a CALL's reply may be (its
+/// metadata beside the pages it carries).
+pub(super) const CALL_REPLY_SLACK: usize = 1 << 20;
 pub(super) const OP_READ: u8 = 1;
+pub(super) const OP_CALL: u8 = 4;
 
 pub(super) const ST_OK: u8 = 0;
 pub(super) const ST_UNKNOWN_KEY: u8 = 1;
 pub(super) const ST_STALE_EPOCH: u8 = 2;
 pub(super) const ST_OUT_OF_BOUNDS: u8 = 3;
 pub(super) const ST_BAD_REQUEST: u8 = 4;
+pub(super) const ST_NO_HANDLER: u8 = 5;
 
 /// Appends one READ request (see the table above) to `out`; `id` is the
 /// request id the responder echoes.
@@ -73,4 +94,15 @@ pub(super) fn push_header(out: &mut Vec<u8>, status: u8, len: u32, id: u64) {
     out.extend_from_slice(&[status, 0, 0, 0]);
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&id.to_le_bytes());
+}
+
+/// Appends one CALL request with its argument (see above) to `out`.
+pub(super) fn push_call(out: &mut Vec<u8>, id: u64, epoch: u64, arg: &[u8]) {
+    let len = u32::try_from(arg.len()).expect("a call argument fits u32");
+    out.extend_from_slice(&[OP_CALL, 0, 0, 0]);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(&[0; 16]);
+    out.extend_from_slice(&epoch.to_le_bytes());
+    out.extend_from_slice(arg);
 }
