@@ -9,7 +9,8 @@
 //! of them the nodes implement ([`policy`]), node states by name
 //! ([`state_name`]), the plain-HTTP Prometheus endpoint
 //! ([`metrics_http`], feature `server`), and the ownership map's shared code: weighted
-//! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]).
+//! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]), and the
+//! encoding of a page fault sent as a transport CALL ([`call`]).
 //!
 //! Feature `server` adds the server side (the generated servers, server
 //! TLS, [`metrics_http`]); clients build without it, and without axum.
@@ -18,6 +19,7 @@
 //! and the bench all build on it, never the other way round.
 
 pub mod auth;
+pub mod call;
 pub mod lazy;
 pub mod leader;
 pub mod map;
