@@ -83,8 +83,14 @@ impl prometheus_client::collector::Collector for NodeCollector {
         counter(
             &mut enc,
             "bytes_served",
-            "Page bytes sent by FaultIn and Read",
+            "Page bytes sent by FaultIn (gRPC or a tcp call) and Read",
             n.bytes_served.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "fault_calls",
+            "Fault-ins answered as calls on the tcp transport's connections (not gRPC)",
+            n.fault_calls.load(Ordering::Relaxed),
         )?;
         counter(
             &mut enc,

@@ -72,6 +72,9 @@ pub(crate) struct Node {
     /// the cache kept).
     pub(crate) policy: Mutex<Policy>,
     pub(crate) bytes_served: AtomicU64,
+    /// Fault-ins answered as `tcp` transport calls
+    /// ([`service::serve_calls`]).
+    pub(crate) fault_calls: AtomicU64,
     /// gRPC `Read` calls answered (any outcome).
     pub(crate) grpc_reads: AtomicU64,
     /// Their latency: [served from this node's cache alone, with pages
@@ -117,6 +120,7 @@ impl Node {
             incarnation: AtomicU64::new(0),
             policy: Mutex::new(Policy::default()),
             bytes_served: AtomicU64::new(0),
+            fault_calls: AtomicU64::new(0),
             grpc_reads: AtomicU64::new(0),
             grpc_read_seconds: std::array::from_fn(|_| metrics::latency_histogram()),
             lease_losses: AtomicU64::new(0),
@@ -443,6 +447,7 @@ pub(crate) async fn run(
         cfg.tls.peer(),
     )?);
     let node = Arc::new(Node::new(&cfg, node_id, cache, Some(served), Some(source)));
+    service::serve_calls(&node);
     for t in node.served.iter().flat_map(|s| s.descriptors()) {
         tracing::info!(kind = %t.kind, endpoint = %t.endpoint, rkey = t.rkey, epoch = t.epoch, "serving the region one-sidedly");
     }

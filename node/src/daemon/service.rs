@@ -49,8 +49,8 @@ pub(crate) enum ReadPath {
     Local,
     /// With pages of other nodes' extents, all read one-sidedly.
     OneSided,
-    /// With at least one page faulted in on its owner over gRPC (a
-    /// one-sided miss).
+    /// With at least one page faulted in on its owner (a one-sided miss;
+    /// a call on the owner's tcp transport, or gRPC `FaultIn`).
     Fallback,
 }
 
@@ -305,6 +305,74 @@ impl Node {
     }
 }
 
+impl Node {
+    /// `FaultIn`: the run's pages faulted in (and their bytes when asked),
+    /// with the frames' locations. Blocking (a backing read); the gRPC
+    /// service and the `tcp` transport's fault calls ([`serve_calls`]) both
+    /// answer with it.
+    pub(crate) fn fault_in(&self, req: &FaultInRequest) -> Result<FaultInResponse, DaemonError> {
+        let (first, count) = self.check_run(req.run, true)?;
+        let me = self.index.load(Ordering::Relaxed);
+        let ((frames, data), epoch) =
+            self.serve(first, count, req.map_epoch, Access::Fill, |_, _| {
+                // One gang read for the missing part of the run, then the
+                // frames. Under second-hit admission each page's miss
+                // goes through the policy instead (`get`).
+                if self.cache.policy().admission == Admission::Always {
+                    self.cache.preload(first, count)?;
+                }
+                let mut frames = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+                let mut data = Vec::new();
+                for page in first..first + count {
+                    let r = self.cache.get(page)?;
+                    // A page the policy did not admit has no frame: its
+                    // location is (0, generation 0), never a frame that
+                    // is not published.
+                    frames.push(FrameLocation {
+                        page,
+                        node_index: me,
+                        frame_index: u64::from(r.frame().unwrap_or(0)),
+                        frame_generation: r.frame_generation().unwrap_or(0),
+                    });
+                    if req.want_data {
+                        data.extend_from_slice(&r);
+                    }
+                }
+                Ok((frames, data))
+            })?;
+        self.bytes_served
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(FaultInResponse {
+            frames,
+            data,
+            map_epoch: epoch,
+        })
+    }
+}
+
+/// Answers fault-in calls on the node's `tcp` transport connections
+/// (`pagewire_proto::call`): the same [`Node::fault_in`] as the gRPC
+/// `FaultIn`, on the connection's serving thread. The handler holds the
+/// node weakly (the node holds the transport): once the node is gone,
+/// calls are refused as `Unavailable`.
+pub(crate) fn serve_calls(node: &Arc<Node>) {
+    let Some(responder) = node.served.as_ref().and_then(|s| s.tcp_responder()) else {
+        return;
+    };
+    let weak = Arc::downgrade(node);
+    responder.set_call_handler(Arc::new(move |arg: &[u8], out: &mut Vec<u8>| {
+        let r = match (pagewire_proto::call::decode_request(arg), weak.upgrade()) {
+            (Err(s), _) => Err(s),
+            (Ok(_), None) => Err(Status::unavailable("the node is stopping")),
+            (Ok(req), Some(node)) => {
+                node.fault_calls.fetch_add(1, Ordering::Relaxed);
+                node.fault_in(&req).map_err(Status::from)
+            }
+        };
+        pagewire_proto::call::push_reply(out, r.as_ref());
+    }));
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, DaemonError> + Send + 'static,
 ) -> Result<T, Status> {
@@ -322,45 +390,8 @@ impl NodeRpc for NodeService {
     ) -> Result<Response<FaultInResponse>, Status> {
         let req = req.into_inner();
         let node = self.node.clone();
-        let (first, count) = node.check_run(req.run, true)?;
-        let me = node.index.load(Ordering::Relaxed);
-        let resp = blocking(move || {
-            let ((frames, data), epoch) =
-                node.serve(first, count, req.map_epoch, Access::Fill, |_, _| {
-                    // One gang read for the missing part of the run, then the
-                    // frames. Under second-hit admission each page's miss
-                    // goes through the policy instead (`get`).
-                    if node.cache.policy().admission == Admission::Always {
-                        node.cache.preload(first, count)?;
-                    }
-                    let mut frames = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
-                    let mut data = Vec::new();
-                    for page in first..first + count {
-                        let r = node.cache.get(page)?;
-                        // A page the policy did not admit has no frame: its
-                        // location is (0, generation 0), never a frame that
-                        // is not published.
-                        frames.push(FrameLocation {
-                            page,
-                            node_index: me,
-                            frame_index: u64::from(r.frame().unwrap_or(0)),
-                            frame_generation: r.frame_generation().unwrap_or(0),
-                        });
-                        if req.want_data {
-                            data.extend_from_slice(&r);
-                        }
-                    }
-                    Ok((frames, data))
-                })?;
-            node.bytes_served
-                .fetch_add(data.len() as u64, Ordering::Relaxed);
-            Ok(FaultInResponse {
-                frames,
-                data,
-                map_epoch: epoch,
-            })
-        })
-        .await?;
+        node.check_run(req.run, true)?;
+        let resp = blocking(move || node.fault_in(&req)).await?;
         Ok(Response::new(resp))
     }
 

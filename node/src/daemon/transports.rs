@@ -442,6 +442,9 @@ impl Served {
     pub(crate) fn descriptors(&self) -> Vec<TransportDescriptor> {
         let wire = |kind: &str, endpoint: &str, d: &RegionDescriptor, opaque: Vec<u8>| {
             TransportDescriptor {
+                // The node answers fault calls on its tcp connections
+                // (`service::serve_calls`).
+                calls: kind == "tcp",
                 kind: kind.into(),
                 endpoint: endpoint.to_owned(),
                 address: d.addr,
@@ -469,6 +472,11 @@ impl Served {
             ));
         }
         out
+    }
+
+    /// The tcp responder, when the node serves tcp.
+    pub(crate) fn tcp_responder(&self) -> Option<&TcpOwner> {
+        self.tcp.as_ref().map(|(_, responder, _)| responder)
     }
 
     /// Reader processes holding a verbs queue pair of this node now.
