@@ -283,6 +283,7 @@ impl ClusterClient {
                 fault_in_deadline: cfg.rpc_timeout,
                 tls: cfg.tls.clone(),
                 tcp_shared: cfg.tcp_shared,
+                fault_calls: true,
             },
             rt.handle().clone(),
         )
@@ -547,8 +548,9 @@ impl ClusterClient {
             s.lease_waits += get(&c.lease_waits);
             s.coalesced += get(&c.coalesced);
         }
-        s.reconnects =
-            self.pool.stats().reconnects + self.channel_reconnects.load(Ordering::Relaxed);
+        let pool = self.pool.stats();
+        s.reconnects = pool.reconnects + self.channel_reconnects.load(Ordering::Relaxed);
+        s.fault_calls = pool.fault_calls;
         s.reader = self.pool.reader_stats();
         s
     }

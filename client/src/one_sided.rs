@@ -24,10 +24,13 @@
 //!    (a cold hit is two round trips when the page sits in its head bucket).
 //!    A frame index out of range, a failed validation or a generation whose
 //!    low half is not `gen32` means the slot was torn or stale: retry.
-//! 4. Not found: READ the head's `ctrl` again. If it differs from the copy
-//!    read in step 2, a writer changed the chain while it was walked: retry.
-//!    If it is the same, report [`Outcome::Absent`]: the caller asks the
-//!    owner (gRPC `FaultIn`), which faults the page in and is authoritative.
+//! 4. Not found: report [`Outcome::Absent`]. The caller asks the owner (a
+//!    fault call on its `tcp` transport, or gRPC `FaultIn`), which faults
+//!    the page in and is authoritative. A walk that raced a change of the
+//!    chain may miss a page that is there: that costs the owner's request,
+//!    never a wrong byte, so no READ is spent confirming the absence (a
+//!    second READ of the head's `ctrl` could not make it authoritative
+//!    either: the page may be evicted or inserted right after).
 //! 5. Retries are bounded (`max_retries`), with exponential backoff; when
 //!    they run out the read reports [`Outcome::GaveUp`] and the caller
 //!    falls back to the owner as for an absent page.
@@ -131,8 +134,6 @@ pub struct ReaderStats {
     pub cold_hits: u64,
     pub bucket_reads: u64,
     pub overflow_hops: u64,
-    /// Head `ctrl` words read again to confirm an absence.
-    pub ctrl_rereads: u64,
     pub retries: u64,
     /// Copies that failed validation (the frame changed under the READ).
     pub validation_failures: u64,
@@ -153,7 +154,6 @@ impl ReaderStats {
         self.cold_hits += other.cold_hits;
         self.bucket_reads += other.bucket_reads;
         self.overflow_hops += other.overflow_hops;
-        self.ctrl_rereads += other.ctrl_rereads;
         self.retries += other.retries;
         self.validation_failures += other.validation_failures;
         self.torn_buckets += other.torn_buckets;
@@ -170,7 +170,6 @@ impl ReaderStats {
         self.cold_hits = self.cold_hits.max(other.cold_hits);
         self.bucket_reads = self.bucket_reads.max(other.bucket_reads);
         self.overflow_hops = self.overflow_hops.max(other.overflow_hops);
-        self.ctrl_rereads = self.ctrl_rereads.max(other.ctrl_rereads);
         self.retries = self.retries.max(other.retries);
         self.validation_failures = self.validation_failures.max(other.validation_failures);
         self.torn_buckets = self.torn_buckets.max(other.torn_buckets);
@@ -250,6 +249,13 @@ impl<C: Connection> RemoteReader<C> {
     /// [`crate::pool::RUN_CHUNK`]).
     pub fn batch_pages(&self) -> usize {
         (self.conn.limits().max_outstanding / 2).clamp(1, crate::pool::RUN_CHUNK)
+    }
+
+    /// The connection the reader reads over (for what its backend offers
+    /// beside READs: a `tcp` CALL). Leave no request of yours outstanding
+    /// on it: the reader expects an idle connection.
+    pub fn connection_mut(&mut self) -> &mut C {
+        &mut self.conn
     }
 
     /// The owner's superblock as read at connect.
@@ -400,11 +406,14 @@ impl<C: Connection> RemoteReader<C> {
     /// 1. pages the index cache knows: every header and frame READ at once;
     /// 2. the others: their head buckets, one READ per cluster of 8
     ///    adjacent buckets (one READ covers 8 consecutive pages), all at once;
+    ///    a page missing from an unlocked head bucket without a chain is
+    ///    absent;
     /// 3. the frames those buckets name: every header and frame READ at once.
     ///
     /// A warm run is one round trip, a cold run whose pages sit in their head
-    /// buckets two. Pages that fail any step (not in the head bucket, failed
-    /// validation) are read one by one with [`RemoteReader::read_page`].
+    /// buckets (or are absent from them) two. Pages that fail any step (in an
+    /// overflow chain, a locked bucket, failed validation) are read one by
+    /// one with [`RemoteReader::read_page`].
     /// Returns one outcome per page.
     pub fn read_run(
         &mut self,
@@ -492,6 +501,11 @@ impl<C: Connection> RemoteReader<C> {
                         pagewire_layout::val_frame(val),
                         Some(pagewire_layout::val_gen32(val)),
                     ));
+                } else if bucket.next().is_none() {
+                    // Absent from a head bucket with no chain: as the walk
+                    // would report (step 4), without walking it again.
+                    self.stats.absent += 1;
+                    outcomes[i] = Some(Outcome::Absent);
                 }
             }
             // Round 3: the frames found.
@@ -650,20 +664,12 @@ impl<C: Connection> RemoteReader<C> {
             self.read_line(l.overflow(next as usize), &mut buf, trips)?;
             bucket = RawBucket::decode(&buf).expect("64 bytes");
         }
-        // Absent as far as this walk saw: confirm the chain did not change.
-        self.stats.ctrl_rereads += 1;
-        let mut ctrl = [0u8; 8];
-        *trips += 1;
-        read_all(
-            &mut self.conn,
-            self.desc,
-            &mut [(head_off as u64, &mut ctrl[..])],
-        )?;
-        if u64::from_le_bytes(ctrl) == head.ctrl {
-            Ok(Walk::Absent)
-        } else {
-            Ok(Walk::Torn)
-        }
+        // Absent as far as this walk saw. A walk that raced a change of
+        // the chain may have missed the page: no READ can confirm an
+        // absence for good, and the caller asks the owner anyway, whose
+        // answer is authoritative (a false absence costs that request,
+        // never a wrong byte).
+        Ok(Walk::Absent)
     }
 
     fn read_line(

@@ -11,9 +11,12 @@
 //! as many pages as the connection's queue holds, at most [`RUN_CHUNK`]),
 //! and puts the reader back. Pages the
 //! owner's index does not show (or that keep moving) are faulted in on the
-//! owner with one gRPC `FaultIn` per contiguous stretch of them; its reply
-//! carries the bytes and the frames' locations, so the next read of them
-//! is one round trip again. Nothing is cached here.
+//! owner, one request per contiguous stretch of them: a call on the
+//! owner's `tcp` transport (`pagewire_proto::call`) when its descriptor
+//! says it takes them (on the reader's own tcp connection, or on one
+//! opened for calls beside an shm or verbs reader), else a gRPC
+//! `FaultIn`. The reply carries the bytes and the frames' locations, so
+//! the next read of them is one round trip again. Nothing is cached here.
 //!
 //! **Connections.** `verbs` readers are handles on the process's one queue
 //! pair to each owner (`rdma::SharedConnection`), however many threads
@@ -87,6 +90,10 @@ pub struct PoolConfig {
     /// shared against 96 k on their own connections; see the client
     /// crate's README).
     pub tcp_shared: bool,
+    /// Fault a miss in with a call on the owner's tcp transport when the
+    /// owner takes them (default `true`); `false`: always the gRPC
+    /// `FaultIn` (for comparisons, or an owner whose calls misbehave).
+    pub fault_calls: bool,
 }
 
 impl Default for PoolConfig {
@@ -99,6 +106,7 @@ impl Default for PoolConfig {
             fault_in_deadline: Duration::from_secs(2),
             tls: None,
             tcp_shared: false,
+            fault_calls: true,
         }
     }
 }
@@ -110,8 +118,11 @@ pub struct PoolStats {
     pub pages: u64,
     /// Of those, read one-sidedly (no owner CPU).
     pub one_sided: u64,
-    /// Of those, faulted in on the owner over gRPC.
+    /// Of those, faulted in on the owner (a one-sided miss).
     pub fallbacks: u64,
+    /// Of `fallbacks`, faulted in by a call on the owner's tcp transport
+    /// rather than a gRPC `FaultIn`.
+    pub fault_calls: u64,
     /// One-sided readers opened (a `tcp` or `verbs` reader is a handle on
     /// the process's one connection to the owner).
     pub connects: u64,
@@ -214,6 +225,7 @@ struct Counters {
     pages: AtomicU64,
     one_sided: AtomicU64,
     fallbacks: AtomicU64,
+    fault_calls: AtomicU64,
     connects: AtomicU64,
     reconnects: AtomicU64,
 }
@@ -283,6 +295,7 @@ impl OwnerPool {
             s.pages += c.pages.load(Ordering::Relaxed);
             s.one_sided += c.one_sided.load(Ordering::Relaxed);
             s.fallbacks += c.fallbacks.load(Ordering::Relaxed);
+            s.fault_calls += c.fault_calls.load(Ordering::Relaxed);
             s.connects += c.connects.load(Ordering::Relaxed);
             s.reconnects += c.reconnects.load(Ordering::Relaxed);
         }
@@ -427,12 +440,15 @@ impl OwnerPool {
         lock(&slot.idle).entry(index).or_default().push(conn);
     }
 
-    /// Faults `first..first + count` in on `owner` over gRPC and takes the
-    /// bytes from the reply, within the deadline. Returns the bytes and the
-    /// frames' locations, or the owner's refusal code (None: a transport
-    /// failure or timeout) and why.
+    /// Faults `first..first + count` in on `owner` (a call on its tcp
+    /// transport when it takes them, else gRPC) and takes the bytes from
+    /// the reply, within the deadline. Returns the bytes and the frames'
+    /// locations, or the owner's refusal code (None: a transport failure
+    /// or timeout) and why.
     fn fault_in(
         &self,
+        slot: &Slot,
+        o: &mut OwnerConn,
         owner: &MapNode,
         first: u64,
         count: u64,
@@ -443,6 +459,23 @@ impl OwnerPool {
             limit = limit.min(d.saturating_duration_since(Instant::now()));
         }
         let limit = limit.max(Duration::from_millis(1));
+        let tcp = ConnectionConfig {
+            token: self.token.as_bytes().to_vec(),
+            ..self.cfg.tcp.clone()
+        };
+        if let Some(r) = self
+            .cfg
+            .fault_calls
+            .then(|| o.fault_call(first, count, opts.map_epoch, limit, &tcp))
+            .flatten()
+        {
+            if r.is_ok() {
+                slot.counters
+                    .fault_calls
+                    .fetch_add(count, Ordering::Relaxed);
+            }
+            return r;
+        }
         let addr = owner.grpc_address.clone();
         let cached = lock(&self.channels).get(&addr).cloned();
         let map_epoch = opts.map_epoch;
@@ -570,7 +603,7 @@ impl OwnerPool {
                     )
                 };
                 let f = self
-                    .fault_in(owner, from, len, opts)
+                    .fault_in(slot, o, owner, from, len, opts)
                     .map_err(|(code, why)| fault_failed(code, why))?;
                 let want: usize = (from..from + len).map(valid).sum();
                 if f.data.len() != want {

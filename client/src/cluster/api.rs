@@ -116,6 +116,10 @@ pub struct ClientStats {
     pub one_sided: u64,
     /// Reads answered by `FaultIn` after a one-sided miss.
     pub fault_ins: u64,
+    /// Pages faulted in by a call on the owner's tcp transport connection
+    /// (no gRPC): of `fault_ins`, but for pages a call faulted in whose
+    /// read was then retried.
+    pub fault_calls: u64,
     /// Reads answered by the gRPC `Read`.
     pub grpc_reads: u64,
     /// Of `one_sided`, those read over shm, verbs and tcp.

@@ -19,7 +19,7 @@ use crate::one_sided::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteRe
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::net::ClientTls;
 use pagewire_proto::v1::node_client::NodeClient;
-use pagewire_proto::v1::{FaultInRequest, MapNode, PageRun, TransportDescriptor};
+use pagewire_proto::v1::{FaultInRequest, FaultInResponse, MapNode, PageRun, TransportDescriptor};
 use pagewire_rdma::shm::{ShmConfig, ShmConnection};
 use pagewire_rdma::tcp::{ConnectionConfig, TcpConnection};
 use pagewire_rdma::{RegionDescriptor, SharedConnection, SharedHandle, WeakShared};
@@ -76,6 +76,9 @@ pub enum Transport {
 /// one connection to the owner when asked ([`tcp_handle`]).
 pub(crate) enum Reader {
     Shm(RemoteReader<ShmConnection>),
+    /// A tcp connection of the reader's own.
+    TcpOwn(RemoteReader<TcpConnection>),
+    /// A handle on the process's one tcp connection to the owner.
     Tcp(RemoteReader<SharedHandle<TcpConnection>>),
     #[cfg(feature = "verbs")]
     Verbs(RemoteReader<verbs::Handle>),
@@ -86,6 +89,7 @@ macro_rules! each {
     ($self:expr, $r:ident => $e:expr) => {
         match $self {
             Reader::Shm($r) => $e,
+            Reader::TcpOwn($r) => $e,
             Reader::Tcp($r) => $e,
             #[cfg(feature = "verbs")]
             Reader::Verbs($r) => $e,
@@ -131,7 +135,7 @@ impl Reader {
     pub(crate) fn transport(&self) -> Transport {
         match self {
             Reader::Shm(_) => Transport::Shm,
-            Reader::Tcp(_) => Transport::Tcp,
+            Reader::Tcp(_) | Reader::TcpOwn(_) => Transport::Tcp,
             #[cfg(feature = "verbs")]
             Reader::Verbs(_) => Transport::Verbs,
         }
@@ -143,6 +147,103 @@ pub(crate) struct OwnerConn {
     /// The region epoch of the descriptor this reader was opened with.
     pub(crate) epoch: u64,
     pub(crate) reader: Reader,
+    /// Where the owner answers fault calls (`pagewire_proto::call`): its
+    /// tcp responder, when its descriptor says so. None: `FaultIn` over
+    /// gRPC.
+    pub(crate) calls: Option<Calls>,
+}
+
+/// The owner's tcp responder as the target of fault calls. A reader over
+/// a tcp connection of its own calls on that connection; an shm or verbs
+/// reader opens a tcp connection of its own for calls at its first miss
+/// and keeps it while it works. A handle on the process's one shared tcp
+/// connection takes no calls (a call needs its connection idle, and a
+/// connection beside it per reader would undo the sharing): its misses
+/// go over gRPC.
+pub(crate) struct Calls {
+    endpoint: String,
+    side: Option<TcpConnection>,
+}
+
+impl OwnerConn {
+    fn new(epoch: u64, reader: Reader) -> Self {
+        Self {
+            epoch,
+            reader,
+            calls: None,
+        }
+    }
+
+    /// Faults `first..first + count` in on the owner with a call on its tcp
+    /// transport, within `limit`; `tcp` is the settings (token included)
+    /// of a connection opened for it. None: the owner takes no calls (or
+    /// said it has no handler, and is not asked again): use gRPC. The
+    /// error is as [`refusal`] reads a gRPC status: the owner's refusal
+    /// code, or None when the call was lost (the side connection is then
+    /// closed; a reader's own connection fails its next READ if it broke).
+    pub(crate) fn fault_call(
+        &mut self,
+        first: u64,
+        count: u64,
+        map_epoch: u64,
+        limit: Duration,
+        tcp: &ConnectionConfig,
+    ) -> Option<Result<Faulted, (Option<tonic::Code>, String)>> {
+        let calls = self.calls.as_mut()?;
+        let arg = pagewire_proto::call::fault_in_request(&FaultInRequest {
+            run: Some(PageRun {
+                first_page: first,
+                page_count: count,
+            }),
+            want_data: true,
+            map_epoch,
+        });
+        let started = Instant::now();
+        let conn = match &mut self.reader {
+            Reader::TcpOwn(r) => r.connection_mut(),
+            _ => {
+                if calls.side.is_none() {
+                    let cfg = ConnectionConfig {
+                        connect_timeout: tcp.connect_timeout.min(limit),
+                        ..tcp.clone()
+                    };
+                    match TcpConnection::connect(calls.endpoint.as_str(), cfg) {
+                        Ok(c) => calls.side = Some(c),
+                        Err(e) => {
+                            return Some(Err((
+                                None,
+                                format!(
+                                    "cannot connect to {} for a fault call: {}",
+                                    calls.endpoint,
+                                    chain(&e)
+                                ),
+                            )));
+                        }
+                    }
+                }
+                calls.side.as_mut().expect("just opened")
+            }
+        };
+        let left = limit.saturating_sub(started.elapsed());
+        match conn.call(self.epoch, &arg, left.max(Duration::from_millis(1))) {
+            Ok(reply) => Some(
+                pagewire_proto::call::decode_reply(&reply)
+                    .and_then(|r| faulted(r, count))
+                    .map_err(|s| (refusal(&s), format!("{:?}: {}", s.code(), s.message()))),
+            ),
+            Err(pagewire_rdma::CallError::NoHandler) => {
+                self.calls = None;
+                None
+            }
+            Err(e) => {
+                calls.side = None;
+                Some(Err((
+                    None,
+                    format!("fault call to {}: {}", calls.endpoint, chain(&e)),
+                )))
+            }
+        }
+    }
 }
 
 /// How [`connect`] opens a connection.
@@ -181,6 +282,22 @@ pub(crate) fn region_epoch(owner: &MapNode) -> Option<u64> {
 /// usable, else its tcp responder when allowed. The error says why each
 /// descriptor tried failed.
 pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn, String> {
+    let mut c = connect_reader(owner, how)?;
+    if matches!(c.reader, Reader::Tcp(_)) {
+        return Ok(c);
+    }
+    c.calls = owner
+        .transports
+        .iter()
+        .find(|t| t.kind == "tcp" && t.calls && t.epoch == c.epoch)
+        .map(|t| Calls {
+            endpoint: t.endpoint.clone(),
+            side: None,
+        });
+    Ok(c)
+}
+
+fn connect_reader(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn, String> {
     let mut why = Vec::new();
     if matches!(how.transport, TransportChoice::Auto | TransportChoice::Shm) {
         for t in owner.transports.iter().filter(|t| t.kind == "shm") {
@@ -194,12 +311,7 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
                 },
             ) {
                 Ok(c) => match RemoteReader::connect(c, d, how.reader.clone()) {
-                    Ok(r) => {
-                        return Ok(OwnerConn {
-                            epoch: d.epoch,
-                            reader: Reader::Shm(r),
-                        });
-                    }
+                    Ok(r) => return Ok(OwnerConn::new(d.epoch, Reader::Shm(r))),
                     Err(e) => why.push(format!("shm: {e}")),
                 },
                 Err(e) => why.push(format!("shm: {e}")),
@@ -219,16 +331,21 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
     if matches!(how.transport, TransportChoice::Auto | TransportChoice::Tcp) {
         for t in owner.transports.iter().filter(|t| t.kind == "tcp") {
             let Some(d) = descriptor(t) else { continue };
-            match tcp_handle(&t.endpoint, d.epoch, how) {
-                Ok(c) => match RemoteReader::connect(c, d, how.reader.clone()) {
-                    Ok(r) => {
-                        return Ok(OwnerConn {
-                            epoch: d.epoch,
-                            reader: Reader::Tcp(r),
-                        });
-                    }
-                    Err(e) => why.push(format!("tcp: {e}")),
-                },
+            let reader = if how.tcp_shared {
+                tcp_handle(&t.endpoint, d.epoch, how)
+                    .map(|c| RemoteReader::connect(c, d, how.reader.clone()).map(Reader::Tcp))
+            } else {
+                // A connection of its own, read without a lock.
+                let cfg = ConnectionConfig {
+                    token: how.token.as_bytes().to_vec(),
+                    ..how.tcp.clone()
+                };
+                TcpConnection::connect(t.endpoint.as_str(), cfg)
+                    .map(|c| RemoteReader::connect(c, d, how.reader.clone()).map(Reader::TcpOwn))
+            };
+            match reader {
+                Ok(Ok(r)) => return Ok(OwnerConn::new(d.epoch, r)),
+                Ok(Err(e)) => why.push(format!("tcp: {e}")),
                 Err(e) => why.push(format!("tcp: {}", chain(&e))),
             }
         }
@@ -253,9 +370,9 @@ fn tcp_registry() -> &'static TcpRegistry {
     R.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// With `how.tcp_shared`: a handle on the process's one tcp connection to
-/// `endpoint` at `epoch`, connecting it if there is none (or it broke);
-/// else a connection of the reader's own. The connect runs with no
+/// A handle on the process's one tcp connection to `endpoint` at `epoch`
+/// (`how.tcp_shared`), connecting it if there is none (or it broke). The
+/// connect runs with no
 /// lock held, so a frozen owner holds up only the readers of that owner;
 /// two threads that connect at once keep the first connection registered
 /// and drop the other.
@@ -268,11 +385,6 @@ fn tcp_handle(
         token: how.token.as_bytes().to_vec(),
         ..how.tcp.clone()
     };
-    if !how.tcp_shared {
-        // A connection of its own (the handle is its only one): the
-        // connection's own adaptive wait, under an uncontended lock.
-        return Ok(SharedConnection::new(TcpConnection::connect(endpoint, cfg)?).handle());
-    }
     let key = (endpoint.to_owned(), epoch, how.token.to_owned());
     let live = |reg: &mut std::sync::MutexGuard<'_, _>| {
         let reg: &mut HashMap<_, WeakShared<TcpConnection>> = reg;
@@ -357,6 +469,12 @@ pub(crate) async fn fault_in(
         })
         .await?
         .into_inner();
+    faulted(r, count)
+}
+
+/// The bytes and frame locations of a fault-in's response for `count`
+/// pages (from gRPC or a call), checked.
+fn faulted(r: FaultInResponse, count: u64) -> Result<Faulted, tonic::Status> {
     if r.frames.len() as u64 != count {
         return Err(tonic::Status::internal(format!(
             "the owner returned {} frame locations for {count} pages",
@@ -494,10 +612,7 @@ pub(crate) mod verbs {
             }
         };
         let r = RemoteReader::connect(h, d, how.reader.clone()).map_err(|e| e.to_string())?;
-        Ok(Some(OwnerConn {
-            epoch: d.epoch,
-            reader: Reader::Verbs(r),
-        }))
+        Ok(Some(OwnerConn::new(d.epoch, Reader::Verbs(r))))
     }
 }
 
@@ -569,6 +684,7 @@ mod tests {
                     rkey: 7,
                     epoch: 3,
                     opaque: Vec::new(),
+                    calls: false,
                 })
                 .collect(),
             ..MapNode::default()
