@@ -132,6 +132,21 @@ fn http_status(addr: &str, path: &str) -> Option<u16> {
     out.split(' ').nth(1)?.parse().ok()
 }
 
+/// `GET path` on a plain-HTTP address: the body of a 200 answer.
+fn http_body(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(s, "GET {path} HTTP/1.0\r\nHost: t\r\n\r\n").expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read the answer");
+    assert!(out.contains(" 200 "), "{out}");
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
+}
+
 fn index_of(map: &OwnershipMap, id: &str) -> u32 {
     map.nodes
         .iter()
@@ -234,6 +249,9 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
             ReadPath::OneSided => {
                 assert!(s.one_sided > 0, "{name}: no one-sided hit");
                 assert!(s.fault_ins > 0, "{name}: no FaultIn fallback");
+                // Every miss went to its owner as a call on the tcp
+                // transport (over shm, on a connection opened for calls).
+                assert_eq!(s.fault_calls, s.fault_ins, "{name}: a miss went over gRPC");
                 assert_eq!(s.grpc_reads, 0);
             }
             ReadPath::Grpc => assert_eq!(s.grpc_reads, s.reads),
@@ -280,6 +298,86 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
         "COVERED every page and random pages over shm, tcp and gRPC, \
          3 nodes evicting: {:?}",
         t0.elapsed()
+    );
+}
+
+/// A one-sided miss is faulted in with a call on the owner's tcp
+/// transport, not gRPC: with the owner's gRPC address pointing nowhere,
+/// cold pages still come back, right, over tcp and over shm (a call
+/// connection beside the mapping), and the next read of them is a
+/// one-sided hit.
+#[test]
+fn a_miss_is_one_call_on_the_transport_not_grpc() {
+    use pagewire_client::pool::{OwnerPool, PoolConfig};
+    let _serial = serial();
+    let mut c = cluster(3000);
+    c.start_node("m1", 1024);
+    c.wait_stable(1);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let map = follower.map();
+    let mut owner = map
+        .nodes
+        .iter()
+        .find(|n| n.node_id == "m1")
+        .expect("m1")
+        .clone();
+    assert!(
+        owner.transports.iter().any(|t| t.kind == "tcp" && t.calls),
+        "the node says it takes fault calls: {:?}",
+        owner.transports
+    );
+    // Nothing listens there: a gRPC FaultIn would fail.
+    owner.grpc_address = "127.0.0.1:9".into();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    for (k, transport) in [TransportChoice::Tcp, TransportChoice::Shm]
+        .into_iter()
+        .enumerate()
+    {
+        let cfg = PoolConfig {
+            transport,
+            ..PoolConfig::default()
+        };
+        let pool = OwnerPool::new(TOKEN, PS, cfg, rt.handle().clone()).expect("pool");
+        // Cold pages, a run of three and then one, different per transport.
+        let first = 10 + 20 * k as u64;
+        for (p, n) in [(first, 3u64), (first + 5, 1)] {
+            let (data, how) = pool
+                .read_run(&owner, p, n)
+                .unwrap_or_else(|e| panic!("{transport:?}: pages {p}..+{n}: {e}"));
+            assert_eq!(how.len() as u64, n);
+            for (i, r) in how.iter().enumerate() {
+                assert!(
+                    r.fault_in,
+                    "{transport:?}: page {} was cached",
+                    p + i as u64
+                );
+                let page = &data[i * PS..(i + 1) * PS];
+                check(p + i as u64, page, PS).unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+            }
+        }
+        let (data, how) = pool.read_run(&owner, first, 1).expect("again");
+        assert!(
+            !how[0].fault_in,
+            "{transport:?}: the faulted page was not hit"
+        );
+        check(first, &data, PS).expect("hit");
+        let s = pool.stats();
+        assert_eq!((s.fallbacks, s.fault_calls), (4, 4), "{transport:?}: {s:?}");
+    }
+    let http = c
+        .nodes_info()
+        .and_then(|ns| ns.into_iter().find(|n| n.node_id == "m1"))
+        .map(|n| n.metrics_address)
+        .expect("node listed");
+    // Two calls per transport: the run of three and the single page.
+    let metrics = http_body(&http, "/metrics");
+    assert!(
+        metrics.contains("pagewire_node_fault_calls_total{node_id=\"m1\"} 4\n"),
+        "{metrics}"
     );
 }
 
