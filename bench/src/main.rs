@@ -14,6 +14,7 @@ mod insert;
 mod local;
 mod machine;
 mod mapscale;
+mod miss;
 mod mount;
 mod nemesis;
 mod plot;
@@ -72,6 +73,10 @@ enum Cmd {
     /// watchers on WatchMap (compact); map and delta bytes, join-to-applied
     /// time, coordinator CPU per heartbeat, beside the old expanded map.
     Mapscale(mapscale::Args),
+    /// What a one-sided miss costs: faulted in by a call on the owner's
+    /// tcp transport and by gRPC, beside a one-sided hit and a pread of
+    /// the page, over tcp and shm, every page verified.
+    Miss(miss::Args),
     /// fio through `pagewire-mount` over shm and tcp, beside the local
     /// page cache and a do-nothing FUSE file system, every read verified.
     Mount(mount::Args),
@@ -156,6 +161,7 @@ fn bench() -> anyhow::Result<()> {
         Cmd::Storm(a) => storm::run(&a),
         Cmd::Demo(a) => storm::demo(&a),
         Cmd::Mapscale(a) => mapscale::run(&a),
+        Cmd::Miss(a) => miss::run(&a),
         Cmd::Mount(a) => mount::run(&a),
         Cmd::Nemesis(a) => nemesis::run(&a),
         Cmd::NemesisWorker(a) => nemesis::worker::run(&a),
