@@ -236,7 +236,8 @@ pub fn relativize(bytes: &mut [u8], region: &RegionDescriptor, to_relative: bool
 }
 
 /// The responder of the `tcp_requests` target: a real [`TcpOwner`]
-/// with one 64 KiB region of [`pattern`] bytes.
+/// with one 64 KiB region of [`pattern`] bytes, answering every CALL with
+/// its argument.
 pub struct Responder {
     pub responder: TcpOwner,
     pub region: pagewire_rdma::tcp::TcpRegion,
@@ -252,6 +253,10 @@ impl Responder {
         let responder = TcpOwner::bind("127.0.0.1:0", rc).expect("responder");
         let len = 64 << 10;
         let region = responder.register(len).expect("region");
+        // CALLs are answered with their argument.
+        responder.set_call_handler(std::sync::Arc::new(|arg: &[u8], out: &mut Vec<u8>| {
+            out.extend_from_slice(arg);
+        }));
         let mut bytes = vec![0u8; len];
         for (p, page) in bytes.chunks_exact_mut(4096).enumerate() {
             pattern::fill(p as u64, 1, page);
