@@ -315,34 +315,18 @@ fn pread_row(f: &std::fs::File, pages: u64, secs: Duration) -> anyhow::Result<Sa
 
 fn hit_row(pool: &OwnerPool, owner: &MapNode, hot: u64, secs: Duration) -> anyhow::Result<Sample> {
     let mut buf = vec![0u8; PAGE];
-    let opts = Default::default();
     // Cached again (the miss rows evicted them) and their index entries learnt.
     for p in 0..hot {
-        pool.read_into(owner, p, 1, &mut buf, &opts)?;
+        pool.read_into(owner, p, 1, &mut buf, &Default::default())?;
     }
-    let (mut h, mut wrong, mut misses) = (hist(), 0, 0u64);
-    let t0 = Instant::now();
-    while t0.elapsed() < secs {
-        let p = fastrand::u64(0..hot);
-        let t = Instant::now();
-        let how = pool.read_into(owner, p, 1, &mut buf, &opts)?;
-        let ns = t.elapsed().as_nanos().max(1) as u64;
-        wrong += u64::from(pattern::verify(p, &buf).is_err());
-        if how[0].fault_in {
-            misses += 1;
-        } else {
-            h.record(ns)?;
-        }
+    let s = pool_row(pool, owner, secs, false, || fastrand::u64(0..hot))?;
+    if s.hits > 0 {
+        tracing::warn!(
+            misses = s.hits,
+            "hit row: pages of the hot set were not cached"
+        );
     }
-    if misses > 0 {
-        tracing::warn!(misses, "hit row: pages of the hot set were not cached");
-    }
-    Ok(Sample {
-        hist: h,
-        secs: t0.elapsed().as_secs_f64(),
-        hits: 0,
-        wrong,
-    })
+    Ok(Sample { hits: 0, ..s })
 }
 
 fn miss_row(
@@ -352,27 +336,42 @@ fn miss_row(
     next: &mut usize,
     secs: Duration,
 ) -> anyhow::Result<Sample> {
+    pool_row(pool, owner, secs, true, || {
+        *next += 1;
+        cold[(*next - 1) % cold.len()]
+    })
+}
+
+/// Reads one page at a time from `owner` for `secs`, the pages `pick`
+/// gives, every one verified; times the reads that were (`faulted`) or
+/// were not faulted in on the owner, and counts the others in `hits`.
+fn pool_row(
+    pool: &OwnerPool,
+    owner: &MapNode,
+    secs: Duration,
+    faulted: bool,
+    mut pick: impl FnMut() -> u64,
+) -> anyhow::Result<Sample> {
     let mut buf = vec![0u8; PAGE];
     let opts = Default::default();
-    let (mut h, mut wrong, mut hits) = (hist(), 0, 0u64);
+    let (mut h, mut wrong, mut others) = (hist(), 0, 0u64);
     let t0 = Instant::now();
     while t0.elapsed() < secs {
-        let p = cold[*next % cold.len()];
-        *next += 1;
+        let p = pick();
         let t = Instant::now();
         let how = pool.read_into(owner, p, 1, &mut buf, &opts)?;
         let ns = t.elapsed().as_nanos().max(1) as u64;
         wrong += u64::from(pattern::verify(p, &buf).is_err());
-        if how[0].fault_in {
+        if how[0].fault_in == faulted {
             h.record(ns)?;
         } else {
-            hits += 1;
+            others += 1;
         }
     }
     Ok(Sample {
         hist: h,
         secs: t0.elapsed().as_secs_f64(),
-        hits,
+        hits: others,
         wrong,
     })
 }
