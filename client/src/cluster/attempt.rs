@@ -58,7 +58,13 @@ impl ClusterClient {
         deadline: Instant,
         mut attempt: impl FnMut(&Snapshot, Duration) -> Result<T, Step>,
     ) -> Result<(T, u32), ClientError> {
-        let start = Instant::now();
+        // The operation began when its caller set the deadline: `waited`
+        // counts from there, so an operation that gave up at its deadline
+        // never reports less than `op_deadline` (the instants between the
+        // caller's clock read and this one used to be left out).
+        let start = deadline
+            .checked_sub(self.cfg.op_deadline)
+            .unwrap_or_else(Instant::now);
         let c = self.counters();
         let mut attempts = 0u32;
         let mut backoff = self.cfg.backoff_min;
