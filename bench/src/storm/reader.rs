@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use pagewire_client::cluster::{
-    ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice,
+    ClientConfig, ClusterClient, MapFollower, ReadPath, TransportChoice, Via,
 };
 use pagewire_node::pattern;
 use serde::{Deserialize, Serialize};
@@ -154,6 +154,13 @@ pub struct Final {
     pub secs: f64,
     /// Latency of each read operation: `(ns, count)` pairs.
     pub hist: Vec<(u64, u64)>,
+    /// One-sided path: of `hist`, the operations whose every page was a
+    /// one-sided hit, and those with at least one page faulted in on its
+    /// owner (a miss).
+    #[serde(default)]
+    pub hit_hist: Vec<(u64, u64)>,
+    #[serde(default)]
+    pub miss_hist: Vec<(u64, u64)>,
     pub first_error: Option<String>,
     pub first_wrong: Option<String>,
 }
@@ -297,6 +304,11 @@ enum Io {
 struct State {
     fin: Final,
     hist: Histogram<u64>,
+    /// Operations of the one-sided path, hits only and with a miss.
+    hit_hist: Histogram<u64>,
+    miss_hist: Histogram<u64>,
+    /// Whether the operation being timed faulted a page in.
+    missed: bool,
     tick: Tick,
 }
 
@@ -420,6 +432,9 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
             ..Final::default()
         },
         hist: Histogram::new_with_bounds(100, 120_000_000_000, 3)?,
+        hit_hist: Histogram::new_with_bounds(100, 120_000_000_000, 3)?,
+        miss_hist: Histogram::new_with_bounds(100, 120_000_000_000, 3)?,
+        missed: false,
         tick: Tick::default(),
     };
     let mut buf = vec![0u8; clients::PAGE];
@@ -459,7 +474,8 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
                     run_buf.resize(need, 0);
                 }
                 match c.read_run(first, run as usize, &mut run_buf[..need]) {
-                    Ok(_) => {
+                    Ok(info) => {
+                        st.missed = info.pages.iter().any(|p| p.via == Via::FaultIn);
                         for (k, floor) in floors.into_iter().enumerate() {
                             let page = &run_buf[k * clients::PAGE..(k + 1) * clients::PAGE];
                             // page-touch: the byte a page_fault4 loop touches.
@@ -500,8 +516,16 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
                 }
             }
             if ok {
-                let ns = t.elapsed().as_nanos() as u64;
-                let _ = st.hist.record(ns.clamp(100, 120_000_000_000));
+                let ns = t.elapsed().as_nanos().clamp(100, 120_000_000_000) as u64;
+                let _ = st.hist.record(ns);
+                if matches!(io, Io::Cluster(_)) && a.path == Path::OneSided {
+                    let h = if st.missed {
+                        &mut st.miss_hist
+                    } else {
+                        &mut st.hit_hist
+                    };
+                    let _ = h.record(ns);
+                }
             }
         }
         let now = Instant::now();
@@ -552,11 +576,14 @@ pub fn run(a: &ReaderArgs) -> anyhow::Result<()> {
         st.fin.reconnects = s.reconnects;
         st.fin.map_refreshes = s.map_refreshes;
     }
-    st.fin.hist = st
-        .hist
-        .iter_recorded()
-        .map(|v| (v.value_iterated_to(), v.count_at_value()))
-        .collect();
+    let pairs = |h: &Histogram<u64>| {
+        h.iter_recorded()
+            .map(|v| (v.value_iterated_to(), v.count_at_value()))
+            .collect()
+    };
+    st.fin.hist = pairs(&st.hist);
+    st.fin.hit_hist = pairs(&st.hit_hist);
+    st.fin.miss_hist = pairs(&st.miss_hist);
     emit(&mut stdout, &Line::Final(Box::new(st.fin)))?;
     Ok(())
 }

@@ -35,6 +35,11 @@ pub struct Row {
     /// One-sided hits / (hits + FaultIn fallbacks): the owners' caches'
     /// hit ratio as the readers saw it.
     pub hit_ratio: Option<f64>,
+    /// One-sided path: p50 of the operations (runs) whose every page was a
+    /// one-sided hit, and of those with at least one page faulted in on
+    /// its owner (a miss); None when there were none.
+    pub hit_p50_us: Option<f64>,
+    pub miss_p50_us: Option<f64>,
     pub writes: u64,
     pub write_errors: u64,
     pub writes_dropped: u64,
@@ -133,6 +138,10 @@ pub fn build(
         let h = hist(ph.finals.iter().map(|f| f.hist.as_slice()));
         let wh = hist(ph.finals.iter().map(|f| f.write_hist.as_slice()));
         let wq = |q: f64| (!wh.is_empty()).then(|| wh.value_at_quantile(q) as f64 / 1e6);
+        let p50 =
+            |h: Histogram<u64>| (!h.is_empty()).then(|| h.value_at_quantile(0.5) as f64 / 1e3);
+        let hit_p50_us = p50(hist(ph.finals.iter().map(|f| f.hit_hist.as_slice())));
+        let miss_p50_us = p50(hist(ph.finals.iter().map(|f| f.miss_hist.as_slice())));
         let us = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
         let phase = if ph.storm { "storm" } else { "compare" };
         let transport = match ph.path {
@@ -164,6 +173,8 @@ pub fn build(
             one_sided_tcp: t.one_sided_tcp,
             hit_ratio: (ph.path == super::reader::Path::OneSided && t.one_sided + t.fallbacks > 0)
                 .then(|| t.one_sided as f64 / (t.one_sided + t.fallbacks) as f64),
+            hit_p50_us,
+            miss_p50_us,
             writes: t.writes,
             write_errors: t.write_errors,
             writes_dropped: t.writes_dropped,
@@ -407,6 +418,8 @@ pub fn emit(a: &Args, r: &Report) -> anyhow::Result<()> {
                 f1(x.p50_us),
                 f1(x.p99_us),
                 f1(x.p999_us),
+                x.hit_p50_us.map_or("-".into(), f1),
+                x.miss_p50_us.map_or("-".into(), f1),
                 x.wrong_reads.to_string(),
                 x.stale_reads.to_string(),
                 x.retries.to_string(),
@@ -425,7 +438,7 @@ pub fn emit(a: &Args, r: &Report) -> anyhow::Result<()> {
                 "resp".into(),
                 crate::report::si(v),
             ];
-            row.extend(std::iter::repeat_n("-".to_owned(), 11));
+            row.extend(std::iter::repeat_n("-".to_owned(), 13));
             row
         }))
         .collect();
@@ -440,6 +453,8 @@ pub fn emit(a: &Args, r: &Report) -> anyhow::Result<()> {
                 "p50 µs",
                 "p99 µs",
                 "p99.9 µs",
+                "hit p50",
+                "miss p50",
                 "wrong",
                 "stale",
                 "retries",
