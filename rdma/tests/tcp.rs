@@ -296,3 +296,41 @@ fn a_late_call_reply_is_skipped() {
     let res = pagewire_rdma::read_blocking(&mut c, d, &mut [(8, &mut b[..4])]).expect("post after");
     assert_eq!(res, vec![Ok(())]);
 }
+
+/// A call handler that drops the last owner of its responder (as the node
+/// daemon's may at shutdown) runs to its end: the responder's shutdown, on
+/// that handler's serving thread, does not try to join the thread itself.
+#[test]
+fn a_handler_may_drop_the_last_owner_of_its_responder() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let owner = Arc::new(TcpOwner::bind("127.0.0.1:0", OwnerConfig::new(TOKEN)).expect("bind"));
+    let region = owner.register(4096).expect("register");
+    let d = region.descriptor();
+    let keep = Arc::new(Mutex::new(Some(Arc::clone(&owner))));
+    let finished = Arc::new(AtomicBool::new(false));
+    {
+        let (keep, finished) = (Arc::clone(&keep), Arc::clone(&finished));
+        owner.set_call_handler(Arc::new(move |_: &[u8], out: &mut Vec<u8>| {
+            let last = keep.lock().expect("keep").take();
+            drop(last);
+            finished.store(true, Ordering::SeqCst);
+            out.push(1);
+        }));
+    }
+    let mut c =
+        TcpConnection::connect(owner.local_addr(), ConnectionConfig::new(TOKEN)).expect("connect");
+    drop(region);
+    drop(owner);
+    // The owner answers or is gone; either way the handler ran to its end.
+    let _ = c.call(d.epoch, b"x", Duration::from_secs(10));
+    let t0 = Instant::now();
+    while !finished.load(Ordering::SeqCst) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the handler never finished: dropping the responder from it failed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(keep.lock().expect("keep").is_none());
+}

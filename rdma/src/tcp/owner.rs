@@ -258,8 +258,14 @@ impl TcpOwner {
             let _ = s.shutdown(Shutdown::Both);
         }
         let threads = std::mem::take(&mut *self.shared.threads.lock().expect("threads lock"));
+        let me = std::thread::current().id();
         for t in threads {
-            let _ = t.join();
+            // A call handler may drop the last owner of this responder (the
+            // node daemon's handler holds its node for the call): its own
+            // serving thread then runs this, and ends right after.
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
     }
 }
