@@ -23,7 +23,10 @@
 //!
 //! A miss row counts only reads the owner faulted in (a page found cached
 //! after all is counted in `hits`, not timed). Medians over the runs of
-//! each run's p50 and p99.
+//! each run's p50 and p99. Beside them, how this process's `tcp` waits
+//! went in each row (`pagewire_rdma::tcp::spin_stats`, summed over the
+//! runs): waits, spins that caught their answer, and waits that blocked
+//! at once because the window was closed or a preemption cooldown ran.
 //!
 //! Target (issue 20): `miss tcp call` p50 within 2x of `hit tcp` p50 plus
 //! `pread` p50.
@@ -37,6 +40,7 @@ use pagewire_client::cluster::TransportChoice;
 use pagewire_client::pool::{OwnerPool, PoolConfig};
 use pagewire_node::pattern;
 use pagewire_proto::v1::MapNode;
+use pagewire_rdma::tcp::{SpinStats, spin_stats};
 use serde::Serialize;
 
 use crate::remote::cluster::{self, Cluster, Placement};
@@ -86,6 +90,8 @@ pub struct Row {
     /// Miss rows: reads found cached after all (not timed).
     pub hits: u64,
     pub wrong_pages: u64,
+    /// This process's `tcp` waits during the row, over every run.
+    pub reader_spin: SpinStats,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -113,6 +119,7 @@ fn name(k: Kind) -> String {
 
 /// One measurement's outcome.
 struct Sample {
+    spin: SpinStats,
     hist: Histogram<u64>,
     secs: f64,
     hits: u64,
@@ -196,7 +203,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let secs = Duration::from_secs_f64(a.seconds);
     for _ in 0..a.runs {
         for (i, &k) in kinds.iter().enumerate() {
-            let s = match k {
+            let before = spin_stats().0;
+            let mut s = match k {
                 Kind::Pread => pread_row(&backing, a.pages, secs)?,
                 Kind::Hit(_) => {
                     let p = pools[i].as_ref().expect("a pool");
@@ -207,6 +215,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     miss_row(p, &owner, &cold, &mut next_cold, secs)?
                 }
             };
+            s.spin = spin_stats().0.since(&before);
             samples[i].push(s);
         }
     }
@@ -229,6 +238,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             ),
             hits: ss.iter().map(|s| s.hits).sum(),
             wrong_pages: ss.iter().map(|s| s.wrong).sum(),
+            reader_spin: crate::remote::sum_spin(ss.iter().map(|s| Some(s.spin)))
+                .unwrap_or_default(),
         })
         .collect();
     let p50 = |n: &str| rows.iter().find(|r| r.row == n).map_or(0.0, |r| r.p50_us);
@@ -247,11 +258,18 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     format!("{:.1}", r.p99_us),
                     r.hits.to_string(),
                     r.wrong_pages.to_string(),
+                    r.reader_spin.waits.to_string(),
+                    r.reader_spin.caught.to_string(),
+                    r.reader_spin.closed.to_string(),
+                    r.reader_spin.cooling.to_string(),
                 ]
             })
             .collect();
         let mut t = report::table(
-            &["ROW", "OPS", "OPS/S", "P50 US", "P99 US", "HITS", "WRONG"],
+            &[
+                "ROW", "OPS", "OPS/S", "P50 US", "P99 US", "HITS", "WRONG", "WAITS", "CAUGHT",
+                "CLOSED", "COOLING",
+            ],
             &body,
         );
         t += &format!(
@@ -306,6 +324,7 @@ fn pread_row(f: &std::fs::File, pages: u64, secs: Duration) -> anyhow::Result<Sa
         wrong += u64::from(pattern::verify(p, &buf).is_err());
     }
     Ok(Sample {
+        spin: SpinStats::default(),
         hist: h,
         secs: t0.elapsed().as_secs_f64(),
         hits: 0,
@@ -369,6 +388,7 @@ fn pool_row(
         }
     }
     Ok(Sample {
+        spin: SpinStats::default(),
         hist: h,
         secs: t0.elapsed().as_secs_f64(),
         hits: others,

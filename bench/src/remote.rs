@@ -727,7 +727,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
 }
 
 /// The counts of several repeats added up (`None` if none has any).
-fn sum_spin(it: impl Iterator<Item = Option<SpinStats>>) -> Option<SpinStats> {
+pub(crate) fn sum_spin(it: impl Iterator<Item = Option<SpinStats>>) -> Option<SpinStats> {
     it.flatten().reduce(|a, b| SpinStats {
         waiters: b.waiters,
         busy: b.busy,
