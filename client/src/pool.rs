@@ -459,14 +459,10 @@ impl OwnerPool {
             limit = limit.min(d.saturating_duration_since(Instant::now()));
         }
         let limit = limit.max(Duration::from_millis(1));
-        let tcp = ConnectionConfig {
-            token: self.token.as_bytes().to_vec(),
-            ..self.cfg.tcp.clone()
-        };
         if let Some(r) = self
             .cfg
             .fault_calls
-            .then(|| o.fault_call(first, count, opts.map_epoch, limit, &tcp))
+            .then(|| o.fault_call(first, count, opts.map_epoch, limit))
             .flatten()
         {
             if r.is_ok() {

@@ -162,6 +162,8 @@ pub(crate) struct OwnerConn {
 /// go over gRPC.
 pub(crate) struct Calls {
     endpoint: String,
+    /// Settings (token included) of the connection opened for calls.
+    cfg: ConnectionConfig,
     side: Option<TcpConnection>,
 }
 
@@ -175,8 +177,7 @@ impl OwnerConn {
     }
 
     /// Faults `first..first + count` in on the owner with a call on its tcp
-    /// transport, within `limit`; `tcp` is the settings (token included)
-    /// of a connection opened for it. None: the owner takes no calls (or
+    /// transport, within `limit`. None: the owner takes no calls (or
     /// said it has no handler, and is not asked again): use gRPC. The
     /// error is as [`refusal`] reads a gRPC status: the owner's refusal
     /// code, or None when the call was lost (the side connection is then
@@ -187,25 +188,17 @@ impl OwnerConn {
         count: u64,
         map_epoch: u64,
         limit: Duration,
-        tcp: &ConnectionConfig,
     ) -> Option<Result<Faulted, (Option<tonic::Code>, String)>> {
         let calls = self.calls.as_mut()?;
-        let arg = pagewire_proto::call::fault_in_request(&FaultInRequest {
-            run: Some(PageRun {
-                first_page: first,
-                page_count: count,
-            }),
-            want_data: true,
-            map_epoch,
-        });
+        let arg = pagewire_proto::call::fault_in_request(&fault_request(first, count, map_epoch));
         let started = Instant::now();
         let conn = match &mut self.reader {
             Reader::TcpOwn(r) => r.connection_mut(),
             _ => {
                 if calls.side.is_none() {
                     let cfg = ConnectionConfig {
-                        connect_timeout: tcp.connect_timeout.min(limit),
-                        ..tcp.clone()
+                        connect_timeout: calls.cfg.connect_timeout.min(limit),
+                        ..calls.cfg.clone()
                     };
                     match TcpConnection::connect(calls.endpoint.as_str(), cfg) {
                         Ok(c) => calls.side = Some(c),
@@ -292,6 +285,7 @@ pub(crate) fn connect(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn
         .find(|t| t.kind == "tcp" && t.calls && t.epoch == c.epoch)
         .map(|t| Calls {
             endpoint: t.endpoint.clone(),
+            cfg: tcp_config(how),
             side: None,
         });
     Ok(c)
@@ -336,11 +330,7 @@ fn connect_reader(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn, St
                     .map(|c| RemoteReader::connect(c, d, how.reader.clone()).map(Reader::Tcp))
             } else {
                 // A connection of its own, read without a lock.
-                let cfg = ConnectionConfig {
-                    token: how.token.as_bytes().to_vec(),
-                    ..how.tcp.clone()
-                };
-                TcpConnection::connect(t.endpoint.as_str(), cfg)
+                TcpConnection::connect(t.endpoint.as_str(), tcp_config(how))
                     .map(|c| RemoteReader::connect(c, d, how.reader.clone()).map(Reader::TcpOwn))
             };
             match reader {
@@ -359,6 +349,15 @@ fn connect_reader(owner: &MapNode, how: &ConnectHow<'_>) -> Result<OwnerConn, St
         });
     }
     Err(why.join("; "))
+}
+
+/// The settings of a tcp connection `how` opens: its own, with the pool's
+/// token.
+fn tcp_config(how: &ConnectHow<'_>) -> ConnectionConfig {
+    ConnectionConfig {
+        token: how.token.as_bytes().to_vec(),
+        ..how.tcp.clone()
+    }
 }
 
 type TcpRegistry = Mutex<HashMap<(String, u64, String), WeakShared<TcpConnection>>>;
@@ -381,10 +380,7 @@ fn tcp_handle(
     epoch: u64,
     how: &ConnectHow<'_>,
 ) -> Result<SharedHandle<TcpConnection>, pagewire_rdma::ConnectError> {
-    let cfg = ConnectionConfig {
-        token: how.token.as_bytes().to_vec(),
-        ..how.tcp.clone()
-    };
+    let cfg = tcp_config(how);
     let key = (endpoint.to_owned(), epoch, how.token.to_owned());
     let live = |reg: &mut std::sync::MutexGuard<'_, _>| {
         let reg: &mut HashMap<_, WeakShared<TcpConnection>> = reg;
@@ -459,17 +455,23 @@ pub(crate) async fn fault_in(
     map_epoch: u64,
 ) -> Result<Faulted, tonic::Status> {
     let r = client
-        .fault_in(FaultInRequest {
-            run: Some(PageRun {
-                first_page: first,
-                page_count: count,
-            }),
-            want_data: true,
-            map_epoch,
-        })
+        .fault_in(fault_request(first, count, map_epoch))
         .await?
         .into_inner();
     faulted(r, count)
+}
+
+/// A fault-in of `first..first + count` with the bytes inline, for the
+/// caller's `map_epoch`: what a call and the gRPC `FaultIn` both send.
+fn fault_request(first: u64, count: u64, map_epoch: u64) -> FaultInRequest {
+    FaultInRequest {
+        run: Some(PageRun {
+            first_page: first,
+            page_count: count,
+        }),
+        want_data: true,
+        map_epoch,
+    }
 }
 
 /// The bytes and frame locations of a fault-in's response for `count`
