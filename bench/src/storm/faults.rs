@@ -131,6 +131,9 @@ pub fn schedule(a: &Args) -> anyhow::Result<Vec<Fault>> {
     push("cut", &a.cut, FaultKind::Cut)?;
     push("heal", &a.heal, FaultKind::Heal)?;
     v.sort_by(|x, y| x.at_s.total_cmp(&y.at_s));
+    if a.duration.is_zero() && !v.is_empty() {
+        bail!("--duration 0s runs no storm, so it takes no faults");
+    }
     let nodes = if a.hosts.is_some() {
         usize::MAX
     } else {
@@ -201,5 +204,28 @@ mod tests {
         assert!(parse_one("kill", "redis@1s", false).is_err());
         assert!(parse_one("kill", "node-1@1s+2s", false).is_err());
         assert!(parse_one("pause", "node-1@1s", true).is_err());
+    }
+
+    #[test]
+    fn a_run_without_a_storm_takes_no_faults() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let args = |extra: &[&str]| {
+            let mut v = vec!["storm"];
+            v.extend_from_slice(extra);
+            <Cli as clap::Parser>::try_parse_from(v).unwrap().args
+        };
+        assert!(schedule(&args(&["--duration", "0s"])).unwrap().is_empty());
+        let e = schedule(&args(&["--duration", "0s", "--kill", "node-1@1s"])).unwrap_err();
+        assert!(e.to_string().contains("no storm"), "{e}");
+        assert_eq!(
+            schedule(&args(&["--duration", "5s", "--kill", "node-1@1s"]))
+                .unwrap()
+                .len(),
+            1
+        );
     }
 }

@@ -345,18 +345,21 @@ pub fn emit(a: &Args, r: &Report) -> anyhow::Result<()> {
         .map_or("?".to_owned(), |x| {
             format!("{} over {}", x.path, x.transport)
         });
-    written.extend(crate::plot::throughput_over_time(
-        out,
-        "storm-throughput",
-        &format!(
-            "pagewire storm: {} {} clients, {} over time",
-            a.readers,
-            a.workload.name(),
-            storm_path
-        ),
-        &series,
-        &events,
-    )?);
+    // No storm phase (`--duration 0s`): nothing over time to draw.
+    if !r.timeline.is_empty() {
+        written.extend(crate::plot::throughput_over_time(
+            out,
+            "storm-throughput",
+            &format!(
+                "pagewire storm: {} {} clients, {} over time",
+                a.readers,
+                a.workload.name(),
+                storm_path
+            ),
+            &series,
+            &events,
+        )?);
+    }
     let hs: Vec<(String, &Histogram<u64>)> = r
         .hists
         .iter()
@@ -398,13 +401,27 @@ pub fn emit(a: &Args, r: &Report) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("storm: {machine}");
+    // Started here: the caches' size is known; attached: it is the cluster's.
+    let caches = if a.coordinator.is_none() {
+        format!(
+            ", caches for {:.0} % of the file{}",
+            a.cache_fraction * 100.0,
+            if a.warm { " (warmed)" } else { "" }
+        )
+    } else {
+        String::new()
+    };
+    let storm = if a.duration.is_zero() {
+        ", no storm".to_owned()
+    } else {
+        format!(", {} % writes in the storm", a.writer_fraction * 100.0)
+    };
     println!(
-        "{} pages of 4 KiB, {} nodes, {} clients per path, {} workload, {} % writes in the storm",
+        "{} pages of 4 KiB, {} nodes{caches}, {} clients per path, {} workload{storm}",
         r.pages,
         a.nodes,
         a.readers,
         a.workload.name(),
-        a.writer_fraction * 100.0
     );
     let rows: Vec<Vec<String>> = r
         .rows
