@@ -23,8 +23,8 @@ use crate::{LocalRegion, OwnerError, RegionDescriptor, RegisterError, handshake,
 
 use super::wire::{
     CALL_REPLY_SLACK, MAGIC, MAX_CALL_ARG, OP_CALL, OP_READ, REQUEST_LEN, RESPONSE_HEADER_LEN,
-    ST_BAD_REQUEST, ST_NO_HANDLER, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH, ST_UNKNOWN_KEY,
-    push_header,
+    Request, ST_BAD_REQUEST, ST_NO_HANDLER, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH,
+    ST_UNKNOWN_KEY, push_header,
 };
 use super::{DEFAULT_SPIN, HANDSHAKE_TIMEOUT};
 
@@ -405,17 +405,15 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
                 if have - at < REQUEST_LEN {
                     break;
                 }
-                let req = &input[at..at + REQUEST_LEN];
-                if req[0] != OP_CALL {
+                let req = Request::decode(&input[at..at + REQUEST_LEN]);
+                if req.op != OP_CALL {
                     let r =
                         regions.get_or_insert_with(|| shared.regions.read().expect("regions lock"));
                     answer(req, r, &shared.config, &mut out);
                     at += REQUEST_LEN;
                     continue;
                 }
-                let len = u32::from_le_bytes(req[4..8].try_into().expect("4 bytes")) as usize;
-                let id = u64::from_le_bytes(req[8..16].try_into().expect("8 bytes"));
-                let epoch = u64::from_le_bytes(req[32..40].try_into().expect("8 bytes"));
+                let (len, id) = (req.len as usize, req.id);
                 if len > MAX_CALL_ARG {
                     // Refused, and its argument skipped as it comes in.
                     push_header(&mut out, ST_BAD_REQUEST, 0, id);
@@ -433,7 +431,7 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
                     out.clear();
                 }
                 let arg = &input[at + REQUEST_LEN..at + REQUEST_LEN + len];
-                call(arg, id, epoch, shared, &mut out);
+                call(arg, id, req.epoch, shared, &mut out);
                 at += REQUEST_LEN + len;
             }
         }
@@ -542,21 +540,19 @@ fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<Option<usi
 
 /// Appends the response to one request to `out`.
 fn answer(
-    req: &[u8],
+    req: Request,
     regions: &HashMap<u32, Arc<RegionMem>>,
     config: &OwnerConfig,
     out: &mut Vec<u8>,
 ) {
-    let u32_at = |o: usize| u32::from_le_bytes(req[o..o + 4].try_into().expect("4 bytes"));
-    let u64_at = |o: usize| u64::from_le_bytes(req[o..o + 8].try_into().expect("8 bytes"));
-    let (op, len, id, addr, rkey, epoch) = (
-        req[0],
-        u32_at(4),
-        u64_at(8),
-        u64_at(16),
-        u32_at(24),
-        u64_at(32),
-    );
+    let Request {
+        op,
+        len,
+        id,
+        addr,
+        rkey,
+        epoch,
+    } = req;
     let status = if op != OP_READ || len == 0 || len > config.max_read_len {
         ST_BAD_REQUEST
     } else {

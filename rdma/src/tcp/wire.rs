@@ -96,6 +96,37 @@ pub(super) fn push_header(out: &mut Vec<u8>, status: u8, len: u32, id: u64) {
     out.extend_from_slice(&id.to_le_bytes());
 }
 
+/// One request's fields (see the table above), as the responder reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Request {
+    pub(super) op: u8,
+    pub(super) len: u32,
+    pub(super) id: u64,
+    pub(super) addr: u64,
+    pub(super) rkey: u32,
+    pub(super) epoch: u64,
+}
+
+impl Request {
+    /// Decodes the first [`REQUEST_LEN`] bytes of `b`.
+    ///
+    /// # Panics
+    /// When `b` is shorter than [`REQUEST_LEN`] (the responder decodes only
+    /// whole requests).
+    pub(super) fn decode(b: &[u8]) -> Self {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        Self {
+            op: b[0],
+            len: u32_at(4),
+            id: u64_at(8),
+            addr: u64_at(16),
+            rkey: u32_at(24),
+            epoch: u64_at(32),
+        }
+    }
+}
+
 /// Appends one CALL request with its argument (see above) to `out`.
 pub(super) fn push_call(out: &mut Vec<u8>, id: u64, epoch: u64, arg: &[u8]) {
     let len = u32::try_from(arg.len()).expect("a call argument fits u32");
