@@ -2,7 +2,7 @@
 //! (sharp at any size, text stays text) and `<name>.png` (for a chat, an
 //! issue or a terminal image viewer).
 //!
-//! - [`scaling`]: `local`'s throughput by threads, one figure per workload.
+//! - [`scaling()`]: `local`'s throughput by threads, one figure per workload.
 //! - [`throughput_over_time`]: a storm's ops/s over time, fault events as
 //!   labelled vertical lines.
 //! - [`latency_cdf`]: read latency distributions on a tail scale.

@@ -3,7 +3,7 @@
 //! buckets of the node's `grpc_read_seconds`), kept in plain atomic
 //! counters in each thread slot so that timing a read shares no cache line
 //! between threads. [`crate::ClusterClient::read_latency`] sums the slots;
-//! with the feature `prometheus`, [`crate::metrics::collector`] exports them
+//! with the feature `prometheus`, `metrics::collector` exports them
 //! (and the client's counters) into a `prometheus-client` registry the
 //! program serves.
 

@@ -8,7 +8,7 @@
 //! | `mutex`    | one lock for everyone            | the same lock                   | the spinlock before it |
 //! | `sharded`  | shared lock on 1 of 64 trees     | exclusive lock on that tree     | the "multiple radix trees" proposal |
 //!
-//! All four keep the same frames and refcount protocol ([`raw::frames`]);
+//! All four keep the same frames and refcount protocol ([`crate::raw::frames`]);
 //! only how the page → frame map is found and changed differs. Only the
 //! lockless index lives in the registered region and can be read remotely.
 

@@ -8,12 +8,12 @@
 //! over between several ([`leader`]), the cache policies by name and which
 //! of them the nodes implement ([`policy`]), node states by name
 //! ([`state_name`]), the plain-HTTP Prometheus endpoint
-//! ([`metrics_http`], feature `server`), and the ownership map's shared code: weighted
+//! (`metrics_http`, feature `server`), and the ownership map's shared code: weighted
 //! rendezvous hashing ([`rendezvous`]) and compact maps ([`map`]), and the
 //! encoding of a page fault sent as a transport CALL ([`call`]).
 //!
 //! Feature `server` adds the server side (the generated servers, server
-//! TLS, [`metrics_http`]); clients build without it, and without axum.
+//! TLS, `metrics_http`); clients build without it, and without axum.
 //!
 //! This crate depends on nothing of ours: the node, the coordinator, `pwctl`
 //! and the bench all build on it, never the other way round.

@@ -34,7 +34,7 @@ fn role_of(raw: i32) -> &'static str {
     role_name(CoordinatorRole::try_from(raw).unwrap_or(CoordinatorRole::Unspecified))
 }
 
-/// The leader in words: its address, or "none: <why>".
+/// The leader in words: its address, or "none: WHY".
 fn leader_text(s: &StatusResponse) -> String {
     match (s.leader.is_empty(), s.store_problem.is_empty()) {
         (false, _) => s.leader.clone(),

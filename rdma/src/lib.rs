@@ -11,7 +11,7 @@
 //! Three backends implement the same [`Connection`] contract and pass one
 //! shared conformance suite (`rdma/tests/conformance/`):
 //!
-//! * [`verbs`] (cargo feature `verbs`): ibverbs RC queue pairs through
+//! * `verbs` (cargo feature `verbs`): ibverbs RC queue pairs through
 //!   `sideway`; RoCE or soft-RoCE. The owner's CPU takes no part in a READ.
 //! * [`tcp`]: a software NIC. The owner ([`tcp::TcpOwner`]) serves READs
 //!   straight from registered regions, bounds-checked by rkey, epoch and

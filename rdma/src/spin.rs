@@ -196,7 +196,7 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// What the `tcp` readers ([`READER`]) and responders ([`RESPONDER`]) of
+/// What the `tcp` readers (`READER`) and responders (`RESPONDER`) of
 /// this process did since it started: `(reader, responder)`.
 pub fn stats() -> (SpinStats, SpinStats) {
     (READER.snapshot(), RESPONDER.snapshot())
