@@ -332,7 +332,10 @@ impl FreeList {
             // Then let a thread pinned at an older epoch unpin (under loom:
             // let the model run it).
             #[cfg(loom)]
-            loom::thread::yield_now();
+            {
+                let _ = round;
+                loom::thread::yield_now();
+            }
             #[cfg(not(loom))]
             if round >= 2 {
                 std::thread::yield_now();

@@ -19,7 +19,9 @@
 //! so a model can read a frame while it is refilled, as a remote reader does.
 
 use super::{Bucket, Header};
-use crate::layout::{self, IndexCode, RegionLayout};
+#[cfg(not(loom))]
+use crate::layout;
+use crate::layout::{IndexCode, RegionLayout};
 use crate::sync::{AtomicU64, Ordering};
 
 pub(crate) struct Region {
