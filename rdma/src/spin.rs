@@ -225,7 +225,7 @@ impl SpinBudget {
         }
     }
 
-    fn snapshot(&self) -> SpinStats {
+    pub(crate) fn snapshot(&self) -> SpinStats {
         let c = &self.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         SpinStats {

@@ -101,6 +101,9 @@ pub struct TcpConnection {
     spin: AdaptiveSpin,
     /// The outcome of the CALL in flight, once there is one.
     call_done: Option<Result<Vec<u8>, CallError>>,
+    /// A CALL's answer arrived since the current wait began (the wait's
+    /// spin, if any, caught a message though it completed no READ).
+    call_answered: bool,
 }
 
 // SAFETY: the raw pointers in `slots` are the local buffers of posted READs;
@@ -144,6 +147,7 @@ impl TcpConnection {
             next_expiry: None,
             spin: AdaptiveSpin::new(&spin::READER, config.spin),
             call_done: None,
+            call_answered: false,
             config,
         })
     }
@@ -196,6 +200,7 @@ impl TcpConnection {
             self.lose();
         }
         let mut none = Vec::new();
+        self.call_answered = false;
         loop {
             if let Some(r) = self.call_done.take() {
                 return r;
@@ -321,6 +326,7 @@ impl TcpConnection {
             self.free.push(idx as u32);
             if let Slot::Call { .. } = slot {
                 self.outstanding -= 1;
+                self.call_answered = true;
                 self.call_done = Some(match status {
                     ST_OK => Ok(self.rbuf[body..body + len].to_vec()),
                     ST_NO_HANDLER => Err(CallError::NoHandler),
@@ -507,8 +513,14 @@ unsafe impl Connection for TcpConnection {
                 (n, done) = (0, true);
             }
             if done {
+                // A message caught: READs completed, or the CALL's answer
+                // (which completes none). Counting only READs left a
+                // connection that carries only calls (the one beside an
+                // shm reader) never catching: its cooldown after a
+                // preemption never shrank again, so it mostly blocked.
+                let caught = n > 0 || std::mem::take(&mut self.call_answered);
                 if let Some(ep) = episode.take() {
-                    self.spin.end(ep, n > 0);
+                    self.spin.end(ep, caught);
                 }
                 if let Some(b) = blocked_since {
                     self.spin.blocked(now.duration_since(b));
@@ -549,5 +561,48 @@ unsafe impl Connection for TcpConnection {
 
     fn readiness_fd(&self) -> Option<RawFd> {
         Some(self.stream.as_raw_fd())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::spin::SpinBudget;
+    use crate::tcp::{OwnerConfig, TcpOwner};
+    use crate::{LocalRegion, RegionDescriptor};
+
+    /// A spin that catches a CALL's answer counts as caught, as one that
+    /// catches a READ's does: the window and the cooldown after a
+    /// preemption learn from calls too.
+    #[test]
+    fn a_spin_that_catches_a_call_answer_counts_as_caught() {
+        let owner = TcpOwner::bind("127.0.0.1:0", OwnerConfig::new(b"t".to_vec())).expect("bind");
+        let r = owner.register(4096).expect("register");
+        let d: RegionDescriptor = r.descriptor();
+        owner.set_call_handler(Arc::new(|arg: &[u8], out: &mut Vec<u8>| {
+            out.extend_from_slice(arg);
+        }));
+        let mut c =
+            TcpConnection::connect(owner.local_addr(), ConnectionConfig::new(b"t".to_vec()))
+                .expect("connect");
+        // A budget of its own, so that other tests' waiters cannot take
+        // the spin slot; a window far longer than a loopback call.
+        let budget: &'static SpinBudget = Box::leak(Box::new(SpinBudget::new(Some(1))));
+        c.spin = AdaptiveSpin::new(budget, Duration::from_millis(5));
+        for i in 0..400u32 {
+            let arg = i.to_le_bytes();
+            let got = c
+                .call(d.epoch, &arg, Duration::from_secs(10))
+                .expect("call");
+            assert_eq!(got, arg);
+        }
+        let s = budget.snapshot();
+        // Each wait spins unless it cools down after a preemption; five
+        // preemptions in a row without a catch between them would be
+        // needed to spend 400 waits cooling.
+        assert!(s.spins > 0, "no wait spun: {s:?}");
+        assert!(s.caught > 0, "no spin caught a call's answer: {s:?}");
     }
 }
