@@ -38,22 +38,33 @@
 //! blocking wait under the mutex, for at most [`WAIT_SLICE`] at a time, so
 //! a thread posting waits at most that long behind another thread's wait.
 //! A connection shared with [`SharedConnection::waiting_on_fd`] is waited
-//! on without the mutex instead: the handle polls the inner connection
-//! (non-blocking) under the mutex, arms its readiness descriptor, polls
-//! once more, lets go of the mutex and sleeps in `poll(2)` on the
-//! descriptor (at most [`WAIT_SLICE`] at a time); whoever wakes first takes
-//! the mutex and files what arrived for everyone. Posting then never waits
-//! behind a wait, so several threads keep several READs in flight on the
-//! one connection (`tcp`, whose own wait would otherwise hold the mutex
-//! for each round trip). A completion that arrives between the last poll
-//! and the sleep leaves the descriptor readable (the arm contract), so the
-//! sleep returns at once and nothing is missed.
+//! on without the mutex instead. One handle at a time polls (`polling`):
+//! under the mutex it polls the inner connection (non-blocking), arms its
+//! readiness descriptor, polls once more, marks itself the poller and lets
+//! go of the mutex; then it spins on the descriptor (`poll(2)` with no
+//! timeout) within the connection's adaptive window and the process's
+//! budget of spinning readers (`spin`, as a `tcp` connection's own wait),
+//! and sleeps on it for the rest of [`WAIT_SLICE`]. It then takes the
+//! mutex, stops being the poller, and files what arrived. Every other
+//! waiting handle records its thread in its queue and parks (at most
+//! [`WAIT_SLICE`]); filing a completion unparks exactly the handle it
+//! belongs to, and a poller that returns unparks one handle still waiting
+//! with nothing filed, which polls next. So a round trip wakes only the
+//! threads it completed, never every waiter. A parked handle woken by a
+//! stale unpark or its slice re-checks and parks again. A completion that
+//! arrives between the last poll and the spin leaves the descriptor
+//! readable (the arm contract), so nothing is missed; an unpark that comes
+//! between recording the thread and parking makes the park return at once
+//! (the thread's token). Posting never waits behind a wait, so several
+//! threads keep several READs in flight on the one connection (`tcp`,
+//! whose own wait would otherwise hold the mutex for each round trip).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::spin::{self, AdaptiveSpin};
 use crate::{Completion, Connection, Limits, PostError, ReadError, ReadRequest};
 
 /// The longest a waiting handle holds the shared connection's lock.
@@ -65,12 +76,23 @@ const ROOM_WAIT: Duration = Duration::from_secs(1);
 
 struct Inner<C> {
     conn: C,
-    /// Completions filed for each live handle, with wire ids.
-    queues: HashMap<u32, Vec<Completion>>,
+    /// Each live handle's completions and, while it sleeps, its thread.
+    queues: HashMap<u32, Queue>,
     scratch: Vec<Completion>,
-    /// A handle sleeps on the readiness descriptor now (`waiting_on_fd`):
-    /// the others sleep on `Shared::filed` until it has filed.
+    /// A handle reads the connection now without the mutex (`waiting_on_fd`:
+    /// it spins on, then sleeps on, the readiness descriptor); the others
+    /// sleep until it files theirs or hands the polling on.
     polling: bool,
+}
+
+/// One handle's place in [`Inner`].
+#[derive(Default)]
+struct Queue {
+    /// Completions filed for the handle, with wire ids.
+    done: Vec<Completion>,
+    /// The handle's thread while it sleeps waiting for them: unparked by
+    /// whoever files one, or by a poller that stops polling.
+    sleeper: Option<std::thread::Thread>,
 }
 
 struct Shared<C> {
@@ -81,8 +103,9 @@ struct Shared<C> {
     /// Handles sleep on this descriptor without the mutex (None: they wait
     /// on the inner connection under it).
     fd: Option<std::os::fd::RawFd>,
-    /// Signalled when the polling handle has filed what arrived.
-    filed: std::sync::Condvar,
+    /// The polling handle's spin window (with `fd`): one per connection,
+    /// used only by the handle that polls, so never contended.
+    spin: Mutex<AdaptiveSpin>,
 }
 
 impl<C: Connection> Shared<C> {
@@ -102,12 +125,9 @@ impl<C: Connection> Shared<C> {
         self.file(inner);
     }
 
-    /// Files the completions in `inner.scratch` into their handles' queues.
+    /// Files the completions in `inner.scratch` into their handles' queues,
+    /// waking each sleeping handle that got one (and no other).
     fn file(&self, inner: &mut Inner<C>) {
-        if self.fd.is_some() && !inner.scratch.is_empty() {
-            // Handles asleep on `filed` may have completions now.
-            self.filed.notify_all();
-        }
         let Inner {
             queues, scratch, ..
         } = inner;
@@ -119,12 +139,68 @@ impl<C: Connection> Shared<C> {
             // A handle's queue lives until the handle is gone, and a handle
             // goes only after its last completion: every id finds its queue.
             if let Some(q) = queues.get_mut(&h) {
-                q.push(c);
+                q.done.push(c);
+                if let Some(t) = q.sleeper.take() {
+                    t.unpark();
+                }
             } else {
                 debug_assert!(false, "a completion for handle {h}, which is gone");
             }
         }
     }
+
+    /// A poller that stops polling wakes one sleeping handle that has
+    /// nothing yet, which then polls in its place: without it, handles
+    /// woken only by their own completions would wait out their sleep
+    /// with nobody reading the connection.
+    fn hand_off(inner: &mut Inner<C>) {
+        if let Some(t) = inner
+            .queues
+            .values_mut()
+            .find(|q| q.done.is_empty() && q.sleeper.is_some())
+            .and_then(|q| q.sleeper.take())
+        {
+            t.unpark();
+        }
+    }
+}
+
+impl<C: Connection> Shared<C> {
+    /// The polling handle's wait (without the lock): spins on `fd` while
+    /// the connection's window and the process's budget allow, then
+    /// sleeps on it for what is left of `slice`.
+    fn await_readable(&self, fd: std::os::fd::RawFd, slice: Duration) {
+        let start = Instant::now();
+        let mut spin = self.spin.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut ep) = spin.begin() {
+            let until = ep.until.min(start + slice);
+            loop {
+                if readable(fd) {
+                    spin.end(ep, true);
+                    return;
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                ep.pause();
+            }
+            spin.end(ep, false);
+        }
+        let slept = Instant::now();
+        sleep_readable(fd, slice.saturating_sub(start.elapsed()));
+        spin.blocked(slept.elapsed());
+    }
+}
+
+/// Whether `fd` is readable now (no wait).
+fn readable(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: as in `sleep_readable`.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
 }
 
 /// Sleeps until `fd` is readable or `limit` passes (a signal ends it early,
@@ -159,20 +235,22 @@ impl<C: Connection> SharedConnection<C> {
     /// Shares `conn`, which must have nothing outstanding.
     #[must_use]
     pub fn new(conn: C) -> Self {
-        Self::with_fd(conn, None)
+        Self::with_fd(conn, None, Duration::ZERO)
     }
 
     /// Shares `conn` (nothing outstanding); handles wait on its readiness
     /// descriptor without holding the shared lock (the module doc's
-    /// "Waiting"). A connection without a descriptor is shared as
-    /// [`SharedConnection::new`] does.
+    /// "Waiting"), the polling one spinning on it for up to `spin` first
+    /// (adaptively, within the process's budget of spinning readers, as
+    /// a `tcp` connection's own wait does; zero: never). A connection
+    /// without a descriptor is shared as [`SharedConnection::new`] does.
     #[must_use]
-    pub fn waiting_on_fd(conn: C) -> Self {
+    pub fn waiting_on_fd(conn: C, spin: Duration) -> Self {
         let fd = conn.readiness_fd();
-        Self::with_fd(conn, fd)
+        Self::with_fd(conn, fd, spin)
     }
 
-    fn with_fd(conn: C, fd: Option<std::os::fd::RawFd>) -> Self {
+    fn with_fd(conn: C, fd: Option<std::os::fd::RawFd>, spin: Duration) -> Self {
         debug_assert_eq!(conn.outstanding(), 0);
         let limits = conn.limits();
         Self {
@@ -187,7 +265,10 @@ impl<C: Connection> SharedConnection<C> {
                 broken: AtomicBool::new(false),
                 limits,
                 fd,
-                filed: std::sync::Condvar::new(),
+                spin: Mutex::new(AdaptiveSpin::new(
+                    &spin::READER,
+                    if fd.is_some() { spin } else { Duration::ZERO },
+                )),
             }),
         }
     }
@@ -203,7 +284,7 @@ impl<C: Connection> SharedConnection<C> {
                 break id;
             }
         };
-        inner.queues.insert(id, Vec::new());
+        inner.queues.insert(id, Queue::default());
         SharedHandle {
             shared: Arc::clone(&self.shared),
             id,
@@ -275,8 +356,8 @@ impl<C: Connection> SharedHandle<C> {
             .queues
             .get_mut(&self.id)
             .expect("a live handle's queue");
-        let n = q.len();
-        for c in q.drain(..) {
+        let n = q.done.len();
+        for c in q.done.drain(..) {
             let slot = (c.id & 0xffff_ffff) as u32;
             let id = self.slab[slot as usize]
                 .take()
@@ -292,9 +373,9 @@ impl<C: Connection> SharedHandle<C> {
     }
 
     /// `wait` of a connection shared with `waiting_on_fd` (the module
-    /// doc's "Waiting"): one handle at a time sleeps on the descriptor
-    /// without the lock and files what arrives; the others sleep on the
-    /// condition variable until it has.
+    /// doc's "Waiting"): one handle at a time reads the connection without
+    /// the lock (spinning, then sleeping on the descriptor) and files what
+    /// arrives; the others sleep until it files theirs or hands on.
     fn wait_fd(
         &mut self,
         shared: &Shared<C>,
@@ -315,27 +396,33 @@ impl<C: Connection> SharedHandle<C> {
             }
             let slice = left.min(WAIT_SLICE);
             if inner.polling {
-                inner = shared
-                    .filed
-                    .wait_timeout(inner, slice)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                // Somebody polls: sleep until it files ours or hands on.
+                inner.queues.get_mut(&self.id).expect("own queue").sleeper =
+                    Some(std::thread::current());
+                drop(inner);
+                std::thread::park_timeout(slice);
+                inner = shared.lock();
+                inner.queues.get_mut(&self.id).expect("own queue").sleeper = None;
                 continue;
             }
-            // This handle polls: arm, poll once more, sleep without the lock.
+            // This handle polls: arm, poll once more, then wait without
+            // the lock.
             inner.conn.arm();
             let n = self.collect(&mut inner, out);
             if n > 0 {
-                shared.filed.notify_all();
                 return n;
             }
             inner.polling = true;
             drop(inner);
-            sleep_readable(fd, slice);
+            shared.await_readable(fd, slice);
             inner = shared.lock();
             inner.polling = false;
             shared.pump(&mut inner, Duration::ZERO);
-            shared.filed.notify_all();
+            let n = self.take(&mut inner, out);
+            if n > 0 || self.outstanding == 0 {
+                Shared::hand_off(&mut inner);
+                return n;
+            }
         }
     }
 

@@ -390,9 +390,11 @@ fn tcp_handle(
     if let Some(c) = live(&mut tcp_registry().lock().unwrap_or_else(|e| e.into_inner())) {
         return Ok(c.handle());
     }
-    // Handles sleep on the socket without the lock: several threads keep
-    // several READs in flight on the one connection.
-    let conn = SharedConnection::waiting_on_fd(TcpConnection::connect(endpoint, cfg)?);
+    // Handles wait on the socket without the lock (the polling one spins
+    // first, with the connection's spin): several threads keep several
+    // READs in flight on the one connection.
+    let spin = cfg.spin;
+    let conn = SharedConnection::waiting_on_fd(TcpConnection::connect(endpoint, cfg)?, spin);
     let mut reg = tcp_registry().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(c) = live(&mut reg) {
         return Ok(c.handle());

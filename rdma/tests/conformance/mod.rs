@@ -809,7 +809,7 @@ impl<H: Harness, const FD: bool> Harness for Shared<H, FD> {
         {
             let c = self.inner.connect();
             *g = Some(if FD {
-                pagewire_rdma::SharedConnection::waiting_on_fd(c)
+                pagewire_rdma::SharedConnection::waiting_on_fd(c, Duration::from_micros(50))
             } else {
                 pagewire_rdma::SharedConnection::new(c)
             });
