@@ -279,19 +279,7 @@ impl FreeList {
     /// collector) has unpinned: the grace period that lets a guard-scoped
     /// reader keep using what it found before `i` was freed.
     pub(crate) fn push_after_grace(self: &Arc<Self>, i: u32) {
-        // Relaxed: a count for `len_with_waiting` and for `collect`'s
-        // decision to drive the epoch; nothing is published through it.
-        self.waiting.fetch_add(1, Ordering::Relaxed);
-        let list = Arc::clone(self);
-        let guard = crossbeam_epoch::pin();
-        guard.defer(move || {
-            list.push(i);
-            list.waiting.fetch_sub(1, Ordering::Relaxed);
-        });
-        // Hand the deferral to the global queue at once: left in this
-        // thread's bag (up to 64), it would wait for this thread's next
-        // flush, and a small cache would run out of frames meanwhile.
-        guard.flush();
+        self.defer_push(1, move |list| list.push(i));
     }
 
     /// [`FreeList::push_after_grace`] for several indices: one deferral and
@@ -301,15 +289,28 @@ impl FreeList {
         if all.is_empty() {
             return;
         }
-        self.waiting.fetch_add(all.len() as u64, Ordering::Relaxed);
-        let list = Arc::clone(self);
-        let guard = crossbeam_epoch::pin();
-        guard.defer(move || {
+        self.defer_push(all.len() as u64, move |list| {
             for &i in &all {
                 list.push(i);
             }
-            list.waiting.fetch_sub(all.len() as u64, Ordering::Relaxed);
         });
+    }
+
+    /// Counts `n` indices as waiting, and defers `push` (which pushes them)
+    /// until every guard pinned now is gone.
+    fn defer_push(self: &Arc<Self>, n: u64, push: impl FnOnce(&Self) + Send + 'static) {
+        // Relaxed: a count for `len_with_waiting` and for `collect`'s
+        // decision to drive the epoch; nothing is published through it.
+        self.waiting.fetch_add(n, Ordering::Relaxed);
+        let list = Arc::clone(self);
+        let guard = crossbeam_epoch::pin();
+        guard.defer(move || {
+            push(&list);
+            list.waiting.fetch_sub(n, Ordering::Relaxed);
+        });
+        // Hand the deferral to the global queue at once: left in this
+        // thread's bag (up to 64), it would wait for this thread's next
+        // flush, and a small cache would run out of frames meanwhile.
         guard.flush();
     }
 

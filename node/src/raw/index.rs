@@ -208,6 +208,24 @@ impl RawIndex {
         None
     }
 
+    /// Walk `head`'s overflow chain, unlocked, for `key`: the first slot
+    /// holding it, with its val. The caller is pinned (crossbeam-epoch)
+    /// from before this call until it is done with the slot: an unlinked
+    /// overflow bucket is recycled only after every guard pinned before
+    /// its unlink.
+    fn scan_chain<'a>(frames: &'a Frames, head: &Bucket, key: u64) -> Option<(&'a Slot, u64)> {
+        // Acquire: pairs with the Release store that linked a bucket.
+        let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
+        while let Some(o) = next {
+            let b = Self::overflow(frames, o);
+            if let Some(hit) = Self::scan(b, key) {
+                return Some(hit);
+            }
+            next = ctrl::next(b.ctrl.load(Ordering::Acquire));
+        }
+        None
+    }
+
     /// Lookup with Piggin's protocol. Returns the frame, with a reference the
     /// caller must `put`, or `None` on a miss. `retries` counts failed
     /// rechecks and lost races.
@@ -256,17 +274,7 @@ impl RawIndex {
             // Pin before loading the link again: an unlinked overflow bucket
             // is recycled only after every guard pinned before its unlink.
             let guard = crossbeam_epoch::pin();
-            let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
-            let mut found = None;
-            while let Some(o) = next {
-                let b = Self::overflow(frames, o);
-                if let Some(hit) = Self::scan(b, key) {
-                    found = Some(hit);
-                    break;
-                }
-                next = ctrl::next(b.ctrl.load(Ordering::Acquire));
-            }
-            let (slot, val) = found?;
+            let (slot, val) = Self::scan_chain(frames, head, key)?;
             let got = Self::try_slot(frames, page, key, slot, val);
             drop(guard);
             match got {
@@ -312,21 +320,8 @@ impl RawIndex {
         loop {
             let val = match Self::scan(head, key) {
                 Some((_, val)) => val,
-                None => {
-                    // Acquire: pairs with the Release store that linked a
-                    // bucket.
-                    let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
-                    let mut found = None;
-                    while let Some(o) = next {
-                        let b = Self::overflow(frames, o);
-                        if let Some(hit) = Self::scan(b, key) {
-                            found = Some(hit.1);
-                            break;
-                        }
-                        next = ctrl::next(b.ctrl.load(Ordering::Acquire));
-                    }
-                    found?
-                }
+                // The caller's pin covers the walk.
+                None => Self::scan_chain(frames, head, key)?.1,
             };
             if let Some(f) = Self::pinned_slot(frames, page, val) {
                 return Some(f);
@@ -371,17 +366,9 @@ impl RawIndex {
                     return Ok(None);
                 }
                 let _guard = crossbeam_epoch::pin();
-                let mut next = ctrl::next(head.ctrl.load(Ordering::Acquire));
-                let mut found = None;
-                while let Some(o) = next {
-                    let b = Self::overflow(frames, o);
-                    if let Some(hit) = Self::scan(b, key) {
-                        found = Some(hit.1);
-                        break;
-                    }
-                    next = ctrl::next(b.ctrl.load(Ordering::Acquire));
-                }
-                let Some(val) = found else { return Ok(None) };
+                let Some((_, val)) = Self::scan_chain(frames, head, key) else {
+                    return Ok(None);
+                };
                 Self::copy_slot(frames, page, val, out)?
             };
             match copied {
