@@ -163,9 +163,7 @@ impl<C: Connection> Shared<C> {
             t.unpark();
         }
     }
-}
 
-impl<C: Connection> Shared<C> {
     /// The polling handle's wait (without the lock): spins on `fd` while
     /// the connection's window and the process's budget allow, then
     /// sleeps on it for what is left of `slice`.
@@ -194,28 +192,28 @@ impl<C: Connection> Shared<C> {
 
 /// Whether `fd` is readable now (no wait).
 fn readable(fd: std::os::fd::RawFd) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: as in `sleep_readable`.
-    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    poll_readable(fd, 0)
 }
 
 /// Sleeps until `fd` is readable or `limit` passes (a signal ends it early,
 /// which the caller's loop absorbs).
 fn sleep_readable(fd: std::os::fd::RawFd, limit: Duration) {
+    let ms = limit.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
+    poll_readable(fd, ms);
+}
+
+/// One `poll(2)` for `fd` readable, waiting up to `ms` milliseconds (0: not
+/// at all): whether it is.
+fn poll_readable(fd: std::os::fd::RawFd, ms: i32) -> bool {
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN,
         revents: 0,
     };
-    let ms = limit.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
     // SAFETY: `p` is one valid pollfd for the duration of the call. The
     // descriptor stays open while any handle lives (the connection owns it
     // and outlives its handles); poll(2) on it touches no memory of ours.
-    unsafe { libc::poll(&mut p, 1, ms) };
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }
 
 /// A connection shared by the threads of a process; see the module doc.
