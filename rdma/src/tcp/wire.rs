@@ -80,13 +80,15 @@ pub(super) const ST_NO_HANDLER: u8 = 5;
 /// Appends one READ request (see the table above) to `out`; `id` is the
 /// request id the responder echoes.
 pub(super) fn push_read(out: &mut Vec<u8>, len: u32, id: u64, addr: u64, rkey: u32, epoch: u64) {
-    out.extend_from_slice(&[OP_READ, 0, 0, 0]);
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&addr.to_le_bytes());
-    out.extend_from_slice(&rkey.to_le_bytes());
-    out.extend_from_slice(&[0; 4]);
-    out.extend_from_slice(&epoch.to_le_bytes());
+    Request {
+        op: OP_READ,
+        len,
+        id,
+        addr,
+        rkey,
+        epoch,
+    }
+    .push(out);
 }
 
 /// Appends one response header (see the table above) to `out`.
@@ -96,7 +98,8 @@ pub(super) fn push_header(out: &mut Vec<u8>, status: u8, len: u32, id: u64) {
     out.extend_from_slice(&id.to_le_bytes());
 }
 
-/// One request's fields (see the table above), as the responder reads them.
+/// One request's fields (see the table above): what a reader writes and
+/// the responder reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Request {
     pub(super) op: u8,
@@ -125,15 +128,64 @@ impl Request {
             epoch: u64_at(32),
         }
     }
+
+    /// Appends the request's [`REQUEST_LEN`] bytes to `out` (flags and the
+    /// reserved fields zero).
+    pub(super) fn push(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&[self.op, 0, 0, 0]);
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.addr.to_le_bytes());
+        out.extend_from_slice(&self.rkey.to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+    }
 }
 
 /// Appends one CALL request with its argument (see above) to `out`.
 pub(super) fn push_call(out: &mut Vec<u8>, id: u64, epoch: u64, arg: &[u8]) {
     let len = u32::try_from(arg.len()).expect("a call argument fits u32");
-    out.extend_from_slice(&[OP_CALL, 0, 0, 0]);
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&id.to_le_bytes());
-    out.extend_from_slice(&[0; 16]);
-    out.extend_from_slice(&epoch.to_le_bytes());
+    Request {
+        op: OP_CALL,
+        len,
+        id,
+        addr: 0,
+        rkey: 0,
+        epoch,
+    }
+    .push(out);
     out.extend_from_slice(arg);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_decodes_to_what_was_pushed() {
+        let mut out = Vec::new();
+        push_read(&mut out, 4096, 7 << 32 | 3, 0x1000_2000, 0xabcd, 42);
+        push_call(&mut out, 9, 43, b"arg");
+        assert_eq!(out.len(), 2 * REQUEST_LEN + 3);
+        assert_eq!(
+            Request::decode(&out),
+            Request {
+                op: OP_READ,
+                len: 4096,
+                id: 7 << 32 | 3,
+                addr: 0x1000_2000,
+                rkey: 0xabcd,
+                epoch: 42,
+            }
+        );
+        let call = Request::decode(&out[REQUEST_LEN..]);
+        assert_eq!(
+            (call.op, call.len, call.id, call.addr, call.rkey, call.epoch),
+            (OP_CALL, 3, 9, 0, 0, 43)
+        );
+        assert_eq!(&out[2 * REQUEST_LEN..], b"arg");
+        // Flags and reserved bytes are zero.
+        assert_eq!(&out[1..4], &[0, 0, 0]);
+        assert_eq!(&out[28..32], &[0; 4]);
+    }
 }
