@@ -27,10 +27,20 @@
 //!   here costs more than the spin, so without probes a window closed by an
 //!   idle spell would never reopen under dense traffic.
 //! * **Preemption.** A spin during which the thread was involuntarily
-//!   switched out (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` grew) means the
-//!   cores are oversubscribed: no spinning for the next 16 waits; the next
-//!   cooldown doubles (up to 4096 waits) each time it happens and halves
-//!   (down to 16) after each spin that caught its message unpreempted.
+//!   switched out (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` grew) *and* lost
+//!   its core for longer than the configured spin (the longest gap between
+//!   two of its polls) means the cores are oversubscribed: no spinning for
+//!   the next 16 waits; the next cooldown doubles (up to 4096 waits) each
+//!   time it happens and halves (down to 16) after each spin that caught its
+//!   message unpreempted. The gap matters because Linux counts a
+//!   `sched_yield` that switched to another thread as an *involuntary*
+//!   switch (`__schedule` charges `nivcsw` whenever the task is still
+//!   runnable), so the spinner's own yield to the peer it waits for (the
+//!   owner's serving thread woken on the reader's core, on two cores) read
+//!   as a preemption: each started a cooldown, the blocked side's slow
+//!   answers then closed the other side's window (blocks longer than the
+//!   spin), and one client on an idle 2-core VM made 39 k reads/s against
+//!   the spinning ping-pong's 69 k at the same p50.
 //!
 //! A spinning thread yields (`sched_yield`) between polls after the first
 //! few, so a runnable peer on its core still gets to run.
@@ -389,17 +399,30 @@ pub(crate) struct Episode {
     pub(crate) until: Instant,
     switches: i64,
     polls: u32,
+    /// When the spin began or last paused.
+    last: Instant,
+    /// The longest time between two pauses (or the start and the first, or
+    /// the last and the end): how long the thread was away from its polls.
+    longest_gap: Duration,
 }
 
 impl Episode {
     /// Between two polls: a CPU hint, then, after a few polls, a yield.
     pub(crate) fn pause(&mut self) {
+        self.note_gap(Instant::now());
         self.polls += 1;
         if self.polls < PURE_SPINS {
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();
         }
+    }
+
+    fn note_gap(&mut self, now: Instant) {
+        self.longest_gap = self
+            .longest_gap
+            .max(now.saturating_duration_since(self.last));
+        self.last = now;
     }
 }
 
@@ -464,17 +487,24 @@ impl AdaptiveSpin {
             u64::try_from(self.window.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
+        let now = Instant::now();
         Some(Episode {
             _slot: slot,
-            until: Instant::now() + self.window,
+            until: now + self.window,
             switches: involuntary_switches(),
             polls: 0,
+            last: now,
+            longest_gap: Duration::ZERO,
         })
     }
 
     /// Ends a spin; `got` when it caught what it waited for.
-    pub(crate) fn end(&mut self, episode: Episode, got: bool) {
-        let preempted = involuntary_switches() > episode.switches;
+    pub(crate) fn end(&mut self, mut episode: Episode, got: bool) {
+        episode.note_gap(Instant::now());
+        // A switch alone may be the spinner's own yield to the peer it is
+        // waiting for (module docs): preempted means away for longer than
+        // it would have spun.
+        let preempted = involuntary_switches() > episode.switches && episode.longest_gap > self.max;
         drop(episode);
         let c = &self.budget.counters;
         if got {
@@ -639,7 +669,10 @@ mod tests {
         static B: SpinBudget = SpinBudget::new(Some(4));
         let mut a = AdaptiveSpin::new(&B, Duration::from_micros(50));
         let mut ep = a.begin().expect("spin");
-        ep.switches = -1; // as if preempted during the spin
+        // As if preempted during the spin: switched out, and away longer
+        // than the window.
+        ep.switches = -1;
+        ep.last -= Duration::from_millis(5);
         a.end(ep, true);
         for _ in 0..COOLDOWN_START {
             assert!(a.begin().is_none(), "cooling down");
@@ -649,5 +682,23 @@ mod tests {
         ep.switches = i64::MAX; // a clean spin, however loaded the machine
         a.end(ep, true);
         assert_eq!(a.next_cooldown, COOLDOWN_START, "a clean spin halves it");
+    }
+
+    /// A yield that switched to another runnable thread counts as an
+    /// involuntary switch; when the spinner was back at its polls within its
+    /// window, that is the peer running briefly on its core, not a
+    /// preemption, and must not stop it from spinning.
+    #[test]
+    fn a_short_switch_is_not_a_preemption() {
+        static B: SpinBudget = SpinBudget::new(Some(4));
+        let mut a = AdaptiveSpin::new(&B, Duration::from_millis(50));
+        for _ in 0..3 {
+            let mut ep = a.begin().expect("spins: no cooldown");
+            ep.switches = -1; // switched out (a yield to the peer) ...
+            ep.pause(); // ... and polling again right away
+            a.end(ep, true);
+        }
+        assert_eq!(a.cooldown, 0);
+        assert_eq!(a.next_cooldown, COOLDOWN_START);
     }
 }
