@@ -23,9 +23,16 @@
 //!   for spinning to pay), down to zero; a blocking wait shorter than the
 //!   configured spin, or a spin that caught its message, doubles it again
 //!   (from an eighth of it). A closed window is probed every 64 waits with
-//!   an eighth of the spin: a blocking wait pays the wake-up itself, which
-//!   here costs more than the spin, so without probes a window closed by an
-//!   idle spell would never reopen under dense traffic.
+//!   the whole configured spin: a blocking wait pays the wake-up itself,
+//!   which here costs more than the spin, so without probes a window closed
+//!   by an idle spell would never reopen under dense traffic. The probe is
+//!   the whole spin, not a fraction of it, because both ends of a
+//!   connection adapt: when both windows have closed (one end's cooldown
+//!   after a preemption makes its answers slow, and the other end's spins
+//!   miss them), every message wakes a sleeping peer, and a probe shorter
+//!   than that wake-up (an eighth of 50 µs against 35–40 µs on an idle
+//!   2-core VM) can never catch one. A probe costs at most one configured
+//!   spin per 64 waits that each paid a wake-up anyway.
 //! * **Preemption.** A spin during which the thread was involuntarily
 //!   switched out (`getrusage(RUSAGE_THREAD)`'s `ru_nivcsw` grew) *and* lost
 //!   its core for longer than the configured spin (the longest gap between
@@ -349,8 +356,8 @@ impl Drop for SpinSlot<'_> {
 const PURE_SPINS: u32 = 16;
 /// Waits without spinning after the first preemption during a spin.
 const COOLDOWN_START: u32 = 16;
-/// A closed window is reopened (to an eighth of the configured spin) once
-/// every this many waits.
+/// A closed window is reopened (to the whole configured spin) once every
+/// this many waits.
 const PROBE_EVERY: u32 = 64;
 
 /// Longest cooldown, in waits.
@@ -384,7 +391,7 @@ pub(crate) struct AdaptiveSpin {
     /// Waits left that must not spin (after a preemption).
     cooldown: u32,
     /// Waits since the window closed; every [`PROBE_EVERY`]th reopens it
-    /// to an eighth of `max` (a probe).
+    /// to `max` (a probe).
     closed_waits: u32,
     /// The next cooldown's length.
     next_cooldown: u32,
@@ -459,15 +466,16 @@ impl AdaptiveSpin {
             // A closed window cannot learn that traffic became dense again:
             // every blocking wait costs a wake-up (tens of µs here, more than
             // a typical window), so it would stay closed for good. Probe now
-            // and then with a small window; a spin that catches its message
-            // widens it (`end`).
+            // and then with the whole window (module docs: a smaller one
+            // cannot catch a sleeping peer's answer); a spin that catches
+            // its message keeps it open (`end`).
             self.closed_waits += 1;
             if self.closed_waits < PROBE_EVERY {
                 bump(&c.closed);
                 return None;
             }
             self.closed_waits = 0;
-            self.window = self.max / 8;
+            self.window = self.max;
             probe = true;
         }
         if self.cooldown > 0 {
@@ -588,13 +596,13 @@ mod tests {
             assert!(a.begin().is_none(), "closed between probes");
         }
         let mut probe = a.begin().expect("a probe after PROBE_EVERY waits");
+        assert_eq!(
+            a.window, max,
+            "a probe spins as long as the configured spin: a sleeping peer's answer takes a wake-up"
+        );
         probe.switches = i64::MAX; // not preempted (a loaded machine may preempt it)
         a.end(probe, true);
-        assert_eq!(
-            a.window,
-            max / 4,
-            "a probe that caught its message widens the window"
-        );
+        assert_eq!(a.window, max, "a probe that caught its message keeps it open");
         for _ in 0..10 {
             a.blocked(Duration::from_millis(5));
         }
