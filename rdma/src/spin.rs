@@ -602,7 +602,10 @@ mod tests {
         );
         probe.switches = i64::MAX; // not preempted (a loaded machine may preempt it)
         a.end(probe, true);
-        assert_eq!(a.window, max, "a probe that caught its message keeps it open");
+        assert_eq!(
+            a.window, max,
+            "a probe that caught its message keeps it open"
+        );
         for _ in 0..10 {
             a.blocked(Duration::from_millis(5));
         }

@@ -18,8 +18,8 @@ use crate::{
 };
 
 use super::wire::{
-    CALL_REPLY_SLACK, MAGIC, MAX_CALL_ARG, REQUEST_LEN, RESPONSE_HEADER_LEN, ST_NO_HANDLER, ST_OK,
-    ST_OUT_OF_BOUNDS, ST_STALE_EPOCH, ST_UNKNOWN_KEY, push_call, push_read,
+    CALL_REPLY_SLACK, MAGIC, MAX_CALL_ARG, REQUEST_LEN, RESPONSE_HEADER_LEN, ResponseHeader,
+    ST_NO_HANDLER, ST_OK, ST_OUT_OF_BOUNDS, ST_STALE_EPOCH, ST_UNKNOWN_KEY, push_call, push_read,
 };
 use super::{DEFAULT_SPIN, HANDSHAKE_TIMEOUT};
 
@@ -282,10 +282,12 @@ impl TcpConnection {
         let before = out.len();
         out.append(&mut self.ready);
         while self.rend - self.rstart >= RESPONSE_HEADER_LEN {
-            let h = &self.rbuf[self.rstart..self.rstart + RESPONSE_HEADER_LEN];
-            let status = h[0];
-            let len = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")) as usize;
-            let wire = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+            let ResponseHeader {
+                status,
+                len,
+                id: wire,
+            } = ResponseHeader::decode(&self.rbuf[self.rstart..self.rstart + RESPONSE_HEADER_LEN]);
+            let len = len as usize;
             let idx = (wire & 0xffff_ffff) as usize;
             let gen_ = (wire >> 32) as u32;
             // `None`: a CALL's reply, of any length up to the limit.

@@ -98,6 +98,30 @@ pub(super) fn push_header(out: &mut Vec<u8>, status: u8, len: u32, id: u64) {
     out.extend_from_slice(&id.to_le_bytes());
 }
 
+/// One response header's fields (see the table above): what the responder
+/// writes ([`push_header`]) and a reader reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ResponseHeader {
+    pub(super) status: u8,
+    pub(super) len: u32,
+    pub(super) id: u64,
+}
+
+impl ResponseHeader {
+    /// Decodes the first [`RESPONSE_HEADER_LEN`] bytes of `b`.
+    ///
+    /// # Panics
+    /// When `b` is shorter than [`RESPONSE_HEADER_LEN`] (a reader decodes
+    /// only whole headers).
+    pub(super) fn decode(b: &[u8]) -> Self {
+        Self {
+            status: b[0],
+            len: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
+            id: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+        }
+    }
+}
+
 /// One request's fields (see the table above): what a reader writes and
 /// the responder reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,5 +211,21 @@ mod tests {
         // Flags and reserved bytes are zero.
         assert_eq!(&out[1..4], &[0, 0, 0]);
         assert_eq!(&out[28..32], &[0; 4]);
+    }
+
+    #[test]
+    fn a_response_header_decodes_to_what_was_pushed() {
+        let mut out = Vec::new();
+        push_header(&mut out, ST_STALE_EPOCH, 4096, 5 << 32 | 17);
+        assert_eq!(out.len(), RESPONSE_HEADER_LEN);
+        assert_eq!(
+            ResponseHeader::decode(&out),
+            ResponseHeader {
+                status: ST_STALE_EPOCH,
+                len: 4096,
+                id: 5 << 32 | 17,
+            }
+        );
+        assert_eq!(&out[1..4], &[0, 0, 0], "reserved bytes are zero");
     }
 }
