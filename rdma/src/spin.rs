@@ -702,7 +702,9 @@ mod tests {
     #[test]
     fn a_short_switch_is_not_a_preemption() {
         static B: SpinBudget = SpinBudget::new(Some(4));
-        let mut a = AdaptiveSpin::new(&B, Duration::from_millis(50));
+        // A window far longer than any stall of a loaded test machine
+        // between two polls of this loop.
+        let mut a = AdaptiveSpin::new(&B, Duration::from_secs(2));
         for _ in 0..3 {
             let mut ep = a.begin().expect("spins: no cooldown");
             ep.switches = -1; // switched out (a yield to the peer) ...
