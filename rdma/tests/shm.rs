@@ -191,11 +191,14 @@ fn spawn_writer(name: &str) -> (std::process::Child, pagewire_rdma::RegionDescri
         .spawn()
         .expect("spawn the writer");
     let out = child.stdout.take().expect("stdout");
-    let line = std::io::BufReader::new(out)
-        .lines()
-        .map_while(Result::ok)
+    let mut lines = std::io::BufReader::new(out).lines().map_while(Result::ok);
+    let line = lines
         .find(|l| l.contains("DESCRIPTOR "))
         .expect("the writer's descriptor");
+    // Read the rest of its output until it exits: libtest prints the
+    // test's result after it returns, and a closed pipe made that print
+    // fail ("error: io error when listing tests: Broken pipe" in the log).
+    std::thread::spawn(move || lines.for_each(drop));
     // libtest prints "test shm_writer_child ... " before it on the same line.
     let hex = line.split("DESCRIPTOR ").nth(1).expect("descriptor").trim();
     let bytes: Vec<u8> = (0..hex.len())
