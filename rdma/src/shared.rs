@@ -177,10 +177,11 @@ impl<C: Connection> Shared<C> {
                     spin.end(ep, true);
                     return;
                 }
-                if Instant::now() >= until {
+                let now = Instant::now();
+                if now >= until {
                     break;
                 }
-                ep.pause();
+                ep.pause(now);
             }
             spin.end(ep, false);
         }

@@ -415,8 +415,9 @@ pub(crate) struct Episode {
 
 impl Episode {
     /// Between two polls: a CPU hint, then, after a few polls, a yield.
-    pub(crate) fn pause(&mut self) {
-        self.note_gap(Instant::now());
+    /// `now` is the clock the caller just read to check `until`.
+    pub(crate) fn pause(&mut self, now: Instant) {
+        self.note_gap(now);
         self.polls += 1;
         if self.polls < PURE_SPINS {
             std::hint::spin_loop();
@@ -708,7 +709,7 @@ mod tests {
         for _ in 0..3 {
             let mut ep = a.begin().expect("spins: no cooldown");
             ep.switches = -1; // switched out (a yield to the peer) ...
-            ep.pause(); // ... and polling again right away
+            ep.pause(Instant::now()); // ... and polling again right away
             a.end(ep, true);
         }
         assert_eq!(a.cooldown, 0);

@@ -536,7 +536,7 @@ unsafe impl Connection for TcpConnection {
             if let Some(ep) = &mut episode {
                 if now < ep.until.min(start + timeout) {
                     if !self.fill(true) {
-                        ep.pause();
+                        ep.pause(now);
                     }
                     continue;
                 }

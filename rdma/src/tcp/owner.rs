@@ -496,11 +496,12 @@ fn recv_request(
             if shared.closed.load(Ordering::Acquire) {
                 return Ok(0);
             }
-            if Instant::now() >= ep.until {
+            let now = Instant::now();
+            if now >= ep.until {
                 spin.end(ep, false);
                 break;
             }
-            ep.pause();
+            ep.pause(now);
         }
     }
     let since = Instant::now();
