@@ -19,7 +19,13 @@
 //!   the fault on the owner as a call on its tcp transport
 //!   (`pagewire_proto::call`; over shm on a tcp connection opened beside);
 //! - `miss tcp gRPC` / `miss shm gRPC`: the same with the gRPC `FaultIn`
-//!   (`PoolConfig::fault_calls` off), the path every miss took before.
+//!   (`PoolConfig::fault_calls` off), the path every miss took before;
+//! - `seq tcp` / `seq tcp no-ra`: the cold pages in file order, one page
+//!   per read, where the last such row stopped: a sequential reader, with
+//!   the readahead of locations (`PoolConfig::readahead`: a miss that
+//!   continues the reader's stream brings the locations of the pages after
+//!   it, which it then reads with one READ) and without. Every read is
+//!   timed, hit or miss; `FAULTED` says how many went to the owner.
 //!
 //! A miss row counts only reads the owner faulted in (a page found cached
 //! after all is counted in `hits`, not timed). Medians over the runs of
@@ -89,6 +95,8 @@ pub struct Row {
     pub p99_us: f64,
     /// Miss rows: reads found cached after all (not timed).
     pub hits: u64,
+    /// Reads the owner faulted in (every row but `pread`).
+    pub faulted: u64,
     pub wrong_pages: u64,
     /// This process's `tcp` waits during the row, over every run.
     pub reader_spin: SpinStats,
@@ -99,6 +107,8 @@ enum Kind {
     Pread,
     Hit(TransportChoice),
     Miss(TransportChoice, bool),
+    /// Sequential cold reads, with readahead of locations or without.
+    Seq(TransportChoice, bool),
 }
 
 fn name(k: Kind) -> String {
@@ -114,6 +124,8 @@ fn name(k: Kind) -> String {
         Kind::Hit(tr) => format!("hit {}", t(tr)),
         Kind::Miss(tr, true) => format!("miss {} call", t(tr)),
         Kind::Miss(tr, false) => format!("miss {} gRPC", t(tr)),
+        Kind::Seq(tr, true) => format!("seq {}", t(tr)),
+        Kind::Seq(tr, false) => format!("seq {} no-ra", t(tr)),
     }
 }
 
@@ -123,6 +135,7 @@ struct Sample {
     hist: Histogram<u64>,
     secs: f64,
     hits: u64,
+    faulted: u64,
     wrong: u64,
 }
 
@@ -173,14 +186,17 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Kind::Hit(TransportChoice::Shm),
         Kind::Miss(TransportChoice::Shm, true),
         Kind::Miss(TransportChoice::Shm, false),
+        Kind::Seq(TransportChoice::Tcp, true),
+        Kind::Seq(TransportChoice::Tcp, false),
     ];
-    let pool = |t: TransportChoice, calls: bool| {
+    let pool = |t: TransportChoice, calls: bool, readahead: bool| {
         OwnerPool::new(
             TOKEN,
             PAGE,
             PoolConfig {
                 transport: t,
                 fault_calls: calls,
+                readahead,
                 ..PoolConfig::default()
             },
             rt.handle().clone(),
@@ -190,8 +206,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .iter()
         .map(|&k| match k {
             Kind::Pread => Ok(None),
-            Kind::Hit(t) => pool(t, true).map(Some),
-            Kind::Miss(t, calls) => pool(t, calls).map(Some),
+            Kind::Hit(t) => pool(t, true, true).map(Some),
+            Kind::Miss(t, calls) => pool(t, calls, true).map(Some),
+            Kind::Seq(t, readahead) => pool(t, true, readahead).map(Some),
         })
         .collect::<Result<_, _>>()?;
     let backing = std::fs::File::open(&file)?;
@@ -199,6 +216,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut cold: Vec<u64> = (a.hot..a.pages).collect();
     fastrand::Rng::with_seed(7).shuffle(&mut cold);
     let mut next_cold = 0usize;
+    let mut next_seq = a.hot;
     let mut samples: Vec<Vec<Sample>> = kinds.iter().map(|_| Vec::new()).collect();
     let secs = Duration::from_secs_f64(a.seconds);
     for _ in 0..a.runs {
@@ -213,6 +231,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 Kind::Miss(..) => {
                     let p = pools[i].as_ref().expect("a pool");
                     miss_row(p, &owner, &cold, &mut next_cold, secs)?
+                }
+                Kind::Seq(..) => {
+                    let p = pools[i].as_ref().expect("a pool");
+                    let (hot, pages) = (a.hot, a.pages);
+                    pool_row(p, &owner, secs, None, || {
+                        let page = next_seq;
+                        next_seq = if page + 1 >= pages { hot } else { page + 1 };
+                        page
+                    })?
                 }
             };
             s.spin = spin_stats().0.since(&before);
@@ -237,12 +264,18 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     .collect(),
             ),
             hits: ss.iter().map(|s| s.hits).sum(),
+            faulted: ss.iter().map(|s| s.faulted).sum(),
             wrong_pages: ss.iter().map(|s| s.wrong).sum(),
             reader_spin: crate::remote::sum_spin(ss.iter().map(|s| Some(s.spin)))
                 .unwrap_or_default(),
         })
         .collect();
     let p50 = |n: &str| rows.iter().find(|r| r.row == n).map_or(0.0, |r| r.p50_us);
+    let ops = |n: &str| {
+        rows.iter()
+            .find(|r| r.row == n)
+            .map_or(0.0, |r| r.ops_per_sec)
+    };
     let floor = p50("hit tcp") + p50("pread");
     let ratio = p50("miss tcp call") / floor;
     let wrong: u64 = rows.iter().map(|r| r.wrong_pages).sum();
@@ -257,6 +290,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     format!("{:.1}", r.p50_us),
                     format!("{:.1}", r.p99_us),
                     r.hits.to_string(),
+                    r.faulted.to_string(),
                     r.wrong_pages.to_string(),
                     r.reader_spin.waits.to_string(),
                     r.reader_spin.caught.to_string(),
@@ -267,8 +301,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             .collect();
         let mut t = report::table(
             &[
-                "ROW", "OPS", "OPS/S", "P50 US", "P99 US", "HITS", "WRONG", "WAITS", "CAUGHT",
-                "CLOSED", "COOLING",
+                "ROW", "OPS", "OPS/S", "P50 US", "P99 US", "HITS", "FAULTED", "WRONG", "WAITS",
+                "CAUGHT", "CLOSED", "COOLING",
             ],
             &body,
         );
@@ -279,6 +313,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             if ratio <= 2.0 { "met" } else { "missed" },
             p50("miss tcp gRPC") / p50("miss tcp call"),
             p50("miss shm gRPC") / p50("miss shm call"),
+        );
+        t += &format!(
+            "sequential cold reads over tcp: {:.2}x the pages/s with readahead of locations\n",
+            ops("seq tcp") / ops("seq tcp no-ra"),
         );
         t
     })?;
@@ -328,6 +366,7 @@ fn pread_row(f: &std::fs::File, pages: u64, secs: Duration) -> anyhow::Result<Sa
         hist: h,
         secs: t0.elapsed().as_secs_f64(),
         hits: 0,
+        faulted: 0,
         wrong,
     })
 }
@@ -338,7 +377,7 @@ fn hit_row(pool: &OwnerPool, owner: &MapNode, hot: u64, secs: Duration) -> anyho
     for p in 0..hot {
         pool.read_into(owner, p, 1, &mut buf, &Default::default())?;
     }
-    let s = pool_row(pool, owner, secs, false, || fastrand::u64(0..hot))?;
+    let s = pool_row(pool, owner, secs, Some(false), || fastrand::u64(0..hot))?;
     if s.hits > 0 {
         tracing::warn!(
             misses = s.hits,
@@ -355,25 +394,26 @@ fn miss_row(
     next: &mut usize,
     secs: Duration,
 ) -> anyhow::Result<Sample> {
-    pool_row(pool, owner, secs, true, || {
+    pool_row(pool, owner, secs, Some(true), || {
         *next += 1;
         cold[(*next - 1) % cold.len()]
     })
 }
 
 /// Reads one page at a time from `owner` for `secs`, the pages `pick`
-/// gives, every one verified; times the reads that were (`faulted`) or
-/// were not faulted in on the owner, and counts the others in `hits`.
+/// gives, every one verified; times the reads that were (`timed` true) or
+/// were not (false) faulted in on the owner, and counts the others in
+/// `hits`; `timed` None: times every read.
 fn pool_row(
     pool: &OwnerPool,
     owner: &MapNode,
     secs: Duration,
-    faulted: bool,
+    timed: Option<bool>,
     mut pick: impl FnMut() -> u64,
 ) -> anyhow::Result<Sample> {
     let mut buf = vec![0u8; PAGE];
     let opts = Default::default();
-    let (mut h, mut wrong, mut others) = (hist(), 0, 0u64);
+    let (mut h, mut wrong, mut others, mut faulted) = (hist(), 0, 0u64, 0u64);
     let t0 = Instant::now();
     while t0.elapsed() < secs {
         let p = pick();
@@ -381,7 +421,8 @@ fn pool_row(
         let how = pool.read_into(owner, p, 1, &mut buf, &opts)?;
         let ns = t.elapsed().as_nanos().max(1) as u64;
         wrong += u64::from(pattern::verify(p, &buf).is_err());
-        if how[0].fault_in == faulted {
+        faulted += u64::from(how[0].fault_in);
+        if timed.is_none_or(|t| t == how[0].fault_in) {
             h.record(ns)?;
         } else {
             others += 1;
@@ -392,6 +433,7 @@ fn pool_row(
         hist: h,
         secs: t0.elapsed().as_secs_f64(),
         hits: others,
+        faulted,
         wrong,
     })
 }

@@ -284,6 +284,7 @@ impl ClusterClient {
                 tls: cfg.tls.clone(),
                 tcp_shared: cfg.tcp_shared,
                 fault_calls: true,
+                readahead: true,
             },
             rt.handle().clone(),
         )
@@ -551,6 +552,7 @@ impl ClusterClient {
         let pool = self.pool.stats();
         s.reconnects = pool.reconnects + self.channel_reconnects.load(Ordering::Relaxed);
         s.fault_calls = pool.fault_calls;
+        s.readahead = pool.readahead;
         s.reader = self.pool.reader_stats();
         s
     }

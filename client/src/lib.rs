@@ -123,6 +123,7 @@ mod locations;
 pub mod metrics;
 pub mod one_sided;
 pub mod pool;
+mod readahead;
 mod slot;
 
 /// An error and its sources, `: `-separated, for log lines and messages

@@ -60,6 +60,11 @@ impl Collector for ClientCollector {
                 "Pages read by FaultIn after a one-sided miss",
                 s.fault_ins,
             ),
+            (
+                "readahead",
+                "Pages whose locations a sequential reader's fault-in brought back",
+                s.readahead,
+            ),
             ("grpc_reads", "Pages read by the gRPC Read", s.grpc_reads),
             (
                 "coalesced",

@@ -94,6 +94,10 @@ pub struct PoolConfig {
     /// owner takes them (default `true`); `false`: always the gRPC
     /// `FaultIn` (for comparisons, or an owner whose calls misbehave).
     pub fault_calls: bool,
+    /// When a reader's miss continues a sequential stream, ask the owner
+    /// for the locations of the pages after it (default `true`; see the
+    /// crate's README, "Readahead"); `false`: never (for comparisons).
+    pub readahead: bool,
 }
 
 impl Default for PoolConfig {
@@ -107,6 +111,7 @@ impl Default for PoolConfig {
             tls: None,
             tcp_shared: false,
             fault_calls: true,
+            readahead: true,
         }
     }
 }
@@ -123,6 +128,9 @@ pub struct PoolStats {
     /// Of `fallbacks`, faulted in by a call on the owner's tcp transport
     /// rather than a gRPC `FaultIn`.
     pub fault_calls: u64,
+    /// Pages after a sequential reader's miss whose locations the fault-in
+    /// brought back (readahead): read later with one READ, no index walk.
+    pub readahead: u64,
     /// One-sided readers opened (a `tcp` or `verbs` reader is a handle on
     /// the process's one connection to the owner).
     pub connects: u64,
@@ -226,6 +234,7 @@ struct Counters {
     one_sided: AtomicU64,
     fallbacks: AtomicU64,
     fault_calls: AtomicU64,
+    readahead: AtomicU64,
     connects: AtomicU64,
     reconnects: AtomicU64,
 }
@@ -296,6 +305,7 @@ impl OwnerPool {
             s.one_sided += c.one_sided.load(Ordering::Relaxed);
             s.fallbacks += c.fallbacks.load(Ordering::Relaxed);
             s.fault_calls += c.fault_calls.load(Ordering::Relaxed);
+            s.readahead += c.readahead.load(Ordering::Relaxed);
             s.connects += c.connects.load(Ordering::Relaxed);
             s.reconnects += c.reconnects.load(Ordering::Relaxed);
         }
@@ -441,10 +451,12 @@ impl OwnerPool {
     }
 
     /// Faults `first..first + count` in on `owner` (a call on its tcp
-    /// transport when it takes them, else gRPC) and takes the bytes from
-    /// the reply, within the deadline. Returns the bytes and the frames'
-    /// locations, or the owner's refusal code (None: a transport failure
-    /// or timeout) and why.
+    /// transport when it takes them, else gRPC), with `readahead` pages
+    /// after it (their locations only), and takes the bytes from the reply,
+    /// within the deadline. Returns the bytes and the frames' locations, or
+    /// the owner's refusal code (None: a transport failure or timeout) and
+    /// why.
+    #[allow(clippy::too_many_arguments)]
     fn fault_in(
         &self,
         slot: &Slot,
@@ -452,6 +464,7 @@ impl OwnerPool {
         owner: &MapNode,
         first: u64,
         count: u64,
+        readahead: u32,
         opts: &RunOptions,
     ) -> Result<Faulted, (Option<tonic::Code>, String)> {
         let mut limit = self.cfg.fault_in_deadline;
@@ -462,7 +475,7 @@ impl OwnerPool {
         if let Some(r) = self
             .cfg
             .fault_calls
-            .then(|| o.fault_call(first, count, opts.map_epoch, limit))
+            .then(|| o.fault_call(first, count, readahead, opts.map_epoch, limit))
             .flatten()
         {
             if r.is_ok() {
@@ -488,7 +501,7 @@ impl OwnerPool {
                         c
                     }
                 };
-                owner::fault_in(&mut client, first, count, map_epoch)
+                owner::fault_in(&mut client, first, count, readahead, map_epoch)
                     .await
                     .map_err(|s| {
                         (
@@ -538,6 +551,9 @@ impl OwnerPool {
         let counters = &slot.counters;
         counters.pages.fetch_add(count as u64, Ordering::Relaxed);
         let chunk = o.reader.batch_pages();
+        // A read that begins where this connection's last one ended reads
+        // on: its misses ask for readahead (`crate::readahead`).
+        let sequential = self.cfg.readahead && o.stream.continues(first);
         let mut done = 0usize;
         while done < count {
             let n = (count - done).min(chunk);
@@ -598,8 +614,9 @@ impl OwnerPool {
                         },
                     )
                 };
+                let readahead = o.stream.on_miss(sequential, len);
                 let f = self
-                    .fault_in(slot, o, owner, from, len, opts)
+                    .fault_in(slot, o, owner, from, len, readahead, opts)
                     .map_err(|(code, why)| fault_failed(code, why))?;
                 let want: usize = (from..from + len).map(valid).sum();
                 if f.data.len() != want {
@@ -634,10 +651,17 @@ impl OwnerPool {
                         len: v,
                     });
                 }
+                for (k, &(frame, generation)) in f.ahead.iter().enumerate() {
+                    o.reader.learn(from + len + k as u64, frame, generation);
+                }
+                counters
+                    .readahead
+                    .fetch_add(f.ahead.len() as u64, Ordering::Relaxed);
                 i = j;
             }
             done += n;
         }
+        o.stream.end(first + count as u64);
         Ok(pages)
     }
 }

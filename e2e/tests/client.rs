@@ -381,6 +381,75 @@ fn a_miss_is_one_call_on_the_transport_not_grpc() {
     );
 }
 
+/// A reader reading page after page learns from each fault-in where the
+/// owner holds the next pages (readahead of locations), so it reads them
+/// with one READ each: a fault per extent, not per page. A reader jumping
+/// around asks for no readahead.
+#[test]
+fn a_sequential_reader_learns_where_the_next_pages_are() {
+    use pagewire_client::pool::{OwnerPool, PoolConfig};
+    let _serial = serial();
+    let mut c = cluster(3000);
+    c.start_node("m1", 1024);
+    c.wait_stable(1);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let map = follower.map();
+    let owner = map
+        .nodes
+        .iter()
+        .find(|n| n.node_id == "m1")
+        .expect("m1")
+        .clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let extent_pages = EXTENT / PS as u64;
+    for (k, transport) in [TransportChoice::Tcp, TransportChoice::Shm]
+        .into_iter()
+        .enumerate()
+    {
+        let cfg = PoolConfig {
+            transport,
+            ..PoolConfig::default()
+        };
+        let pool = OwnerPool::new(TOKEN, PS, cfg, rt.handle().clone()).expect("pool");
+        // Four cold extents, one page at a time, from an extent's start.
+        let first = extent_pages * (10 + 8 * k as u64);
+        let pages = 4 * extent_pages;
+        for p in first..first + pages {
+            let (data, _) = pool
+                .read_run(&owner, p, 1)
+                .unwrap_or_else(|e| panic!("{transport:?}: page {p}: {e}"));
+            check(p, &data, PS).unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        }
+        let s = pool.stats();
+        let r = pool.reader_stats();
+        // The first page, the second (the stream begins) and then one per
+        // extent at most: readahead stops at an extent's end.
+        assert!(
+            s.fallbacks <= 2 + 4,
+            "{transport:?}: {} of {pages} pages faulted in: {s:?}",
+            s.fallbacks
+        );
+        assert_eq!(s.fallbacks + s.readahead, pages, "{transport:?}: {s:?}");
+        assert!(
+            r.warm_hits >= s.readahead,
+            "{transport:?}: pages read ahead were not read with one READ: {r:?}"
+        );
+        // A reader that jumps around asks for none.
+        let before = s.readahead;
+        let base = first + 6 * extent_pages;
+        for p in [base + 3, base + 1, base + 7, base + 5] {
+            let (data, how) = pool.read_run(&owner, p, 1).expect("read");
+            assert!(how[0].fault_in, "{transport:?}: page {p} was cached");
+            check(p, &data, PS).expect("page");
+        }
+        assert_eq!(pool.stats().readahead, before, "{transport:?}");
+    }
+}
+
 /// Established TCP connections from this process to `port` on loopback
 /// (sockets among this process's descriptors, in `/proc/net/tcp`).
 fn tcp_conns_to(port: u16) -> usize {

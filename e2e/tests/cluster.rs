@@ -444,12 +444,38 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
                 }),
                 want_data: true,
                 map_epoch: 0,
+                ..Default::default()
             })
             .await
             .expect("fault in")
             .into_inner();
         assert_eq!(r.frames.len(), 2);
         assert_eq!(r.data.len() as u64, 2 * PAGE);
+        // Readahead: the pages after the run, up to its extent's end, as
+        // locations without bytes.
+        let extent_pages = EXTENT / PAGE;
+        let at = extent_pages + 4;
+        let r = n
+            .fault_in(FaultInRequest {
+                run: Some(PageRun {
+                    first_page: at,
+                    page_count: 1,
+                }),
+                want_data: true,
+                readahead: 1000,
+                ..Default::default()
+            })
+            .await
+            .expect("fault in with readahead")
+            .into_inner();
+        assert_eq!(r.data.len() as u64, PAGE, "bytes of the run only");
+        let pages: Vec<u64> = r.frames.iter().map(|f| f.page).collect();
+        assert_eq!(pages, (at..2 * extent_pages).collect::<Vec<_>>());
+        assert!(
+            r.frames.iter().all(|f| f.frame_generation % 2 == 1),
+            "{:?}",
+            r.frames
+        );
         // Three wrong tokens more: the node counts them (issue 21).
         let ch = pagewire_proto::net::connect(&node_addr, None, Duration::from_secs(5))
             .await
@@ -618,6 +644,7 @@ fn nodes_serve_their_extents_write_through_and_refuse_stale_maps() {
                 }),
                 want_data: false,
                 map_epoch: epoch,
+                ..Default::default()
             })
             .await
             .expect_err("foreign extent");
@@ -728,6 +755,7 @@ fn a_non_owner_reads_from_the_owner_one_sidedly_and_caches_nothing() {
                     run: one(page),
                     want_data: true,
                     map_epoch: epoch,
+                    ..Default::default()
                 })
                 .await
                 .map(drop),

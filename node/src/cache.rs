@@ -247,7 +247,7 @@ impl<I: Index> PageCache<I> {
     }
 
     /// The first page past `page`'s extent (`u64::MAX` with no extents).
-    fn extent_end(&self, page: u64) -> u64 {
+    pub(crate) fn extent_end(&self, page: u64) -> u64 {
         match self.extent_pages() {
             0 => u64::MAX,
             n => (page / n).saturating_add(1).saturating_mul(n),
@@ -341,6 +341,25 @@ impl<I: Index> PageCache<I> {
     #[inline(always)]
     pub fn lookup(&self, page: u64) -> Option<PageRef<'_>> {
         Some(self.page_ref(page, self.hit(page)?))
+    }
+
+    /// Where the page is cached: its frame and the frame's generation,
+    /// without faulting it in and without counting a hit (what a fault's
+    /// readahead tells a remote reader, which validates the frame anyway
+    /// when it reads it).
+    pub fn location(&self, page: u64) -> Option<(u32, u64)> {
+        let mut retries = 0;
+        let frame = self.core.lookup(page, &mut retries)?;
+        // With the reference held the frame is not refilled, so its
+        // generation is the one the lookup found published.
+        let generation = self
+            .core
+            .frames
+            .header(frame)
+            .generation
+            .load(crate::sync::Ordering::Relaxed);
+        self.core.frames.put(frame);
+        Some((frame, generation))
     }
 
     /// A hit's frame, with a reference held and counted.

@@ -94,6 +94,7 @@ mod tests {
             }),
             want_data: true,
             map_epoch: 42,
+            readahead: 16,
         };
         assert_eq!(
             decode_request(&fault_in_request(&req)).expect("decodes"),

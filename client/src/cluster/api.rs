@@ -120,6 +120,9 @@ pub struct ClientStats {
     /// (no gRPC): of `fault_ins`, but for pages a call faulted in whose
     /// read was then retried.
     pub fault_calls: u64,
+    /// Pages after a sequential reader's miss whose locations its fault-in
+    /// brought back (readahead): read later with one READ, no index walk.
+    pub readahead: u64,
     /// Reads answered by the gRPC `Read`.
     pub grpc_reads: u64,
     /// Of `one_sided`, those read over shm, verbs and tcp.

@@ -151,6 +151,8 @@ pub(crate) struct OwnerConn {
     /// tcp responder, when its descriptor says so. None: `FaultIn` over
     /// gRPC.
     pub(crate) calls: Option<Calls>,
+    /// Its reads as a stream, for readahead of locations.
+    pub(crate) stream: crate::readahead::Stream,
 }
 
 /// The owner's tcp responder as the target of fault calls. A reader over
@@ -173,6 +175,7 @@ impl OwnerConn {
             epoch,
             reader,
             calls: None,
+            stream: crate::readahead::Stream::default(),
         }
     }
 
@@ -186,11 +189,14 @@ impl OwnerConn {
         &mut self,
         first: u64,
         count: u64,
+        readahead: u32,
         map_epoch: u64,
         limit: Duration,
     ) -> Option<Result<Faulted, (Option<tonic::Code>, String)>> {
         let calls = self.calls.as_mut()?;
-        let arg = pagewire_proto::call::fault_in_request(&fault_request(first, count, map_epoch));
+        let arg = pagewire_proto::call::fault_in_request(&fault_request(
+            first, count, readahead, map_epoch,
+        ));
         let started = Instant::now();
         let conn = match &mut self.reader {
             Reader::TcpOwn(r) => r.connection_mut(),
@@ -221,7 +227,7 @@ impl OwnerConn {
         match conn.call(self.epoch, &arg, left.max(Duration::from_millis(1))) {
             Ok(reply) => Some(
                 pagewire_proto::call::decode_reply(&reply)
-                    .and_then(|r| faulted(r, count))
+                    .and_then(|r| faulted(r, first, count, readahead))
                     .map_err(|s| (refusal(&s), format!("{:?}: {}", s.code(), s.message()))),
             ),
             Err(pagewire_rdma::CallError::NoHandler) => {
@@ -445,27 +451,34 @@ pub(crate) struct Faulted {
     /// for a page the owner served without caching it (generation 0 on the
     /// wire).
     pub(crate) locations: Vec<Option<(u32, u64)>>,
+    /// Readahead: where the owner holds the pages right after the run,
+    /// from the first on (no bytes): `(frame, generation)` of page
+    /// `first + count + k` at `k`.
+    pub(crate) ahead: Vec<(u32, u64)>,
 }
 
 /// Faults pages `first..first + count` in on their owner (`FaultIn` with
-/// `want_data`) and takes the bytes and the frames' locations from the
-/// reply. `map_epoch` is the caller's map epoch (0: none).
+/// `want_data`, and `readahead` pages after them) and takes the bytes and
+/// the frames' locations from the reply. `map_epoch` is the caller's map
+/// epoch (0: none).
 pub(crate) async fn fault_in(
     client: &mut NodeRpc,
     first: u64,
     count: u64,
+    readahead: u32,
     map_epoch: u64,
 ) -> Result<Faulted, tonic::Status> {
     let r = client
-        .fault_in(fault_request(first, count, map_epoch))
+        .fault_in(fault_request(first, count, readahead, map_epoch))
         .await?
         .into_inner();
-    faulted(r, count)
+    faulted(r, first, count, readahead)
 }
 
-/// A fault-in of `first..first + count` with the bytes inline, for the
-/// caller's `map_epoch`: what a call and the gRPC `FaultIn` both send.
-fn fault_request(first: u64, count: u64, map_epoch: u64) -> FaultInRequest {
+/// A fault-in of `first..first + count` with the bytes inline and
+/// `readahead` pages after it, for the caller's `map_epoch`: what a call
+/// and the gRPC `FaultIn` both send.
+fn fault_request(first: u64, count: u64, readahead: u32, map_epoch: u64) -> FaultInRequest {
     FaultInRequest {
         run: Some(PageRun {
             first_page: first,
@@ -473,30 +486,51 @@ fn fault_request(first: u64, count: u64, map_epoch: u64) -> FaultInRequest {
         }),
         want_data: true,
         map_epoch,
+        readahead,
     }
 }
 
-/// The bytes and frame locations of a fault-in's response for `count`
-/// pages (from gRPC or a call), checked.
-fn faulted(r: FaultInResponse, count: u64) -> Result<Faulted, tonic::Status> {
-    if r.frames.len() as u64 != count {
+/// The bytes and frame locations of a fault-in's response for the `count`
+/// pages from `first` and at most `readahead` after them (from gRPC or a
+/// call), checked: every location names the page it stands for.
+fn faulted(
+    r: FaultInResponse,
+    first: u64,
+    count: u64,
+    readahead: u32,
+) -> Result<Faulted, tonic::Status> {
+    let n = r.frames.len() as u64;
+    if n < count || n - count > u64::from(readahead) {
         return Err(tonic::Status::internal(format!(
-            "the owner returned {} frame locations for {count} pages",
-            r.frames.len()
+            "the owner returned {n} frame locations for {count} pages and {readahead} of readahead",
         )));
     }
-    let locations = r
-        .frames
-        .iter()
-        .map(|loc| {
-            let frame = u32::try_from(loc.frame_index)
-                .map_err(|e| tonic::Status::internal(e.to_string()))?;
-            Ok((loc.frame_generation != 0).then_some((frame, loc.frame_generation)))
+    let mut locations = Vec::with_capacity(r.frames.len());
+    for (k, loc) in r.frames.iter().enumerate() {
+        let page = first + k as u64;
+        if loc.page != page {
+            return Err(tonic::Status::internal(format!(
+                "the owner's frame location {k} is for page {}, not {page}",
+                loc.page
+            )));
+        }
+        let frame =
+            u32::try_from(loc.frame_index).map_err(|e| tonic::Status::internal(e.to_string()))?;
+        locations.push((loc.frame_generation != 0).then_some((frame, loc.frame_generation)));
+    }
+    let ahead = locations
+        .split_off(usize::try_from(count).unwrap_or(usize::MAX))
+        .into_iter()
+        .map(|l| {
+            l.ok_or_else(|| {
+                tonic::Status::internal("the owner returned a readahead page it does not hold")
+            })
         })
-        .collect::<Result<_, tonic::Status>>()?;
+        .collect::<Result<_, _>>()?;
     Ok(Faulted {
         data: r.data,
         locations,
+        ahead,
     })
 }
 
@@ -645,6 +679,52 @@ pub(crate) mod verbs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pagewire_proto::v1::FrameLocation;
+
+    fn answer(first: u64, gens: &[u64]) -> FaultInResponse {
+        FaultInResponse {
+            frames: gens
+                .iter()
+                .enumerate()
+                .map(|(k, &g)| FrameLocation {
+                    page: first + k as u64,
+                    node_index: 1,
+                    frame_index: 100 + k as u64,
+                    frame_generation: g,
+                })
+                .collect(),
+            data: vec![7; 4096],
+            map_epoch: 3,
+        }
+    }
+
+    #[test]
+    fn a_fault_in_answer_with_readahead_is_checked_page_by_page() {
+        // The run (one page), then two pages ahead.
+        let f = faulted(answer(10, &[1, 3, 5]), 10, 1, 4).expect("a good answer");
+        assert_eq!(f.locations, vec![Some((100, 1))]);
+        assert_eq!(f.ahead, vec![(101, 3), (102, 5)]);
+        // None ahead is fine (an owner that predates readahead).
+        let f = faulted(answer(10, &[1]), 10, 1, 4).expect("no readahead");
+        assert!(f.ahead.is_empty());
+        // More than asked, a location for another page, a page ahead the
+        // owner does not hold, or too few for the run: refused.
+        for (r, count, ra, what) in [
+            (answer(10, &[1, 3, 5]), 1, 1, "frame locations"),
+            (answer(10, &[1]), 2, 4, "frame locations"),
+            (answer(10, &[1, 0]), 1, 4, "does not hold"),
+        ] {
+            let e = match faulted(r, 10, count, ra) {
+                Ok(_) => panic!("accepted: {what}"),
+                Err(e) => e,
+            };
+            assert!(e.message().contains(what), "{e:?}");
+        }
+        let mut r = answer(10, &[1, 3]);
+        r.frames[1].page = 12;
+        let e = faulted(r, 10, 1, 4).err().expect("a location of another page");
+        assert!(e.message().contains("not 11"), "{e:?}");
+    }
 
     #[test]
     fn a_status_is_a_refusal_only_when_the_node_itself_answered() {

@@ -313,15 +313,19 @@ impl Node {
     pub(crate) fn fault_in(&self, req: &FaultInRequest) -> Result<FaultInResponse, DaemonError> {
         let (first, count) = self.check_run(req.run, true)?;
         let me = self.index.load(Ordering::Relaxed);
+        let ahead = self.readahead(first + count, count, req.readahead);
+        // The readahead pages lie in the extent of the run's last page, so
+        // admitting the longer run admits nothing the run did not.
         let ((frames, data), epoch) =
-            self.serve(first, count, req.map_epoch, Access::Fill, |_, _| {
-                // One gang read for the missing part of the run, then the
-                // frames. Under second-hit admission each page's miss
-                // goes through the policy instead (`get`).
+            self.serve(first, count + ahead, req.map_epoch, Access::Fill, |_, _| {
+                // One gang read for the missing part of the run (and its
+                // readahead), then the frames. Under second-hit admission
+                // each page's miss goes through the policy instead (`get`),
+                // and readahead reads nothing.
                 if self.cache.policy().admission == Admission::Always {
-                    self.cache.preload(first, count)?;
+                    self.cache.preload(first, count + ahead)?;
                 }
-                let mut frames = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
+                let mut frames = Vec::with_capacity(usize::try_from(count + ahead).unwrap_or(0));
                 let mut data = Vec::new();
                 for page in first..first + count {
                     let r = self.cache.get(page)?;
@@ -338,6 +342,18 @@ impl Node {
                         data.extend_from_slice(&r);
                     }
                 }
+                // Readahead: locations only, up to the first page not held.
+                for page in first + count..first + count + ahead {
+                    let Some((frame, generation)) = self.cache.location(page) else {
+                        break;
+                    };
+                    frames.push(FrameLocation {
+                        page,
+                        node_index: me,
+                        frame_index: u64::from(frame),
+                        frame_generation: generation,
+                    });
+                }
                 Ok((frames, data))
             })?;
         self.bytes_served
@@ -347,6 +363,25 @@ impl Node {
             data,
             map_epoch: epoch,
         })
+    }
+}
+
+impl Node {
+    /// How many of the `asked` readahead pages from `from` (the page after a
+    /// run of `count`) a fault-in takes: they stay in the extent of the
+    /// run's last page, in the file, and within the per-call page limit
+    /// with the run.
+    fn readahead(&self, from: u64, count: u64, asked: u32) -> u64 {
+        if asked == 0 || from == 0 {
+            return 0;
+        }
+        let end = self
+            .cache
+            .extent_end(from - 1)
+            .min(self.cache.pages())
+            .min(from.saturating_add(u64::from(asked)));
+        end.saturating_sub(from)
+            .min(self.max_pages_per_call.saturating_sub(count))
     }
 }
 
