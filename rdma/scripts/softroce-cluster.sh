@@ -425,22 +425,31 @@ host_now() { probe 10.99.0.1 date +%s.%N | tail -n1; }
 g1=$(cut -d' ' -f1 /proc/uptime); h1=$(host_now)
 
 # perftest TOOL ARGS...: TOOL's server on node-1 through its agent, its
-# client here; both outputs in $out.
+# client here; both outputs in $out. A perftest server serves one client
+# and exits, so each try starts its own, on a port of its own (a server of
+# a failed try may still hold the last one until the agent kills it); a
+# failed try's outputs are kept as perftest-TOOL[-server].try-N.txt.
 perftest() {
     tool=$1; shift
-    "$bench" vm-exec 10.99.0.11:7700 "perf-$tool" -- "$tool" -d rxe0 "$@" \
-        > "$out/perftest-$tool-server.txt" 2>&1 &
-    spid=$!
-    sleep 2
     j=0
     while :; do
-        timeout 300 "$tool" -d rxe0 "$@" 10.99.0.11 > "$out/perftest-$tool.txt" 2>&1 && break
+        port=$((18515 + j))
+        "$bench" vm-exec 10.99.0.11:7700 "perf-$tool-$j" -- "$tool" -d rxe0 -p $port "$@" \
+            > "$out/perftest-$tool-server.txt" 2>&1 &
+        spid=$!
+        sleep 2
+        ok=0
+        timeout 300 "$tool" -d rxe0 -p $port "$@" 10.99.0.11 > "$out/perftest-$tool.txt" 2>&1 && ok=1
+        k=0
+        while kill -0 $spid 2>/dev/null && [ $k -lt 20 ]; do sleep 0.5; k=$((k + 1)); done
+        kill $spid 2>/dev/null; wait $spid 2>/dev/null
+        [ $ok = 1 ] && break
+        cp "$out/perftest-$tool.txt" "$out/perftest-$tool.try-$j.txt"
+        cp "$out/perftest-$tool-server.txt" "$out/perftest-$tool-server.try-$j.txt"
+        say "$tool: try $j failed: $(tail -n2 "$out/perftest-$tool.txt" | tr -s ' \n' ' ')"
         j=$((j + 1)); [ $j -lt 5 ] || break
         sleep 2
     done
-    j=0
-    while kill -0 $spid 2>/dev/null && [ $j -lt 20 ]; do sleep 0.5; j=$((j + 1)); done
-    kill $spid 2>/dev/null; wait $spid 2>/dev/null
     say "$tool: $(grep -A1 '#bytes' "$out/perftest-$tool.txt" | tail -n1 | tr -s ' ')"
 }
 perftest ib_read_lat -s 4096 -n 1000
