@@ -722,7 +722,9 @@ mod tests {
         }
         let mut r = answer(10, &[1, 3]);
         r.frames[1].page = 12;
-        let e = faulted(r, 10, 1, 4).err().expect("a location of another page");
+        let e = faulted(r, 10, 1, 4)
+            .err()
+            .expect("a location of another page");
         assert!(e.message().contains("not 11"), "{e:?}");
     }
 

@@ -370,9 +370,13 @@ impl Node {
     /// How many of the `asked` readahead pages from `from` (the page after a
     /// run of `count`) a fault-in takes: they stay in the extent of the
     /// run's last page, in the file, and within the per-call page limit
-    /// with the run.
+    /// with the run; at most an eighth of the cache, so that what is read
+    /// ahead is still cached when the reader comes to it (a window as large
+    /// as the cache would evict its own start). None when the node's
+    /// readahead is off (`readahead_max` 0).
     fn readahead(&self, from: u64, count: u64, asked: u32) -> u64 {
-        if asked == 0 || from == 0 {
+        let cfg = self.cache.config();
+        if asked == 0 || from == 0 || cfg.readahead_max == 0 {
             return 0;
         }
         let end = self
@@ -382,6 +386,7 @@ impl Node {
             .min(from.saturating_add(u64::from(asked)));
         end.saturating_sub(from)
             .min(self.max_pages_per_call.saturating_sub(count))
+            .min(cfg.frames as u64 / 8)
     }
 }
 
