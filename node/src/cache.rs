@@ -111,6 +111,10 @@ pub struct PageCache<I: Index = Lockless> {
     /// Admission, copied out of `policy` for the miss path.
     second_hit: std::sync::atomic::AtomicBool,
     ghost: GhostSet,
+    /// Set once a frame was wanted with none free: from then on the cache
+    /// keeps a reserve of free frames (`reclaim.rs`). Until then it has
+    /// never had to evict, so it holds as many pages as it has frames.
+    pressed: std::sync::atomic::AtomicBool,
 }
 
 /// What a fill did with the first page of its run.
@@ -204,6 +208,7 @@ impl<I: Index> PageCache<I> {
             numa,
             policy: std::sync::Mutex::new(CachePolicy::default()),
             second_hit: std::sync::atomic::AtomicBool::new(false),
+            pressed: std::sync::atomic::AtomicBool::new(false),
             ghost: GhostSet::new(frames),
         })
     }

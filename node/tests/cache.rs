@@ -728,3 +728,26 @@ fn a_write_with_every_frame_held_is_no_frame() {
     c.write(5, &page).unwrap();
     assert_eq!(pattern::verify(5, &c.get(5).unwrap()).unwrap(), 1);
 }
+
+/// A cache with a frame for every page of the file holds all of it: after
+/// a preload, sequential passes over the file never miss (a cache one
+/// frame short would miss on every page of such a pass under CLOCK).
+#[test]
+fn a_cache_as_large_as_the_file_holds_all_of_it() {
+    const PAGES: u64 = 8192;
+    let (_d, path) = file(PAGES, 0);
+    let c = PageCache::<Lockless>::open_with(&path, cfg(PAGES as usize)).unwrap();
+    c.preload(0, PAGES).unwrap();
+    let after_preload = c.stats();
+    for pass in 0..3 {
+        for p in 0..PAGES {
+            pattern::verify(p, &c.get(p).unwrap()).unwrap();
+        }
+        let s = c.stats();
+        assert_eq!(
+            (s.misses, s.evictions),
+            (after_preload.misses, after_preload.evictions),
+            "pass {pass}: {s:?}, after the preload {after_preload:?}"
+        );
+    }
+}

@@ -30,11 +30,15 @@ fn next_random() -> u64 {
 
 impl<I: Index> PageCache<I> {
     /// A free frame, evicting if there is none, or, in a cache of at least
-    /// 64 eviction batches, if the frames free and waiting fall below one
-    /// batch: frames an eviction frees reach the free list only after their
-    /// grace period, so the next batch starts while the list still has
-    /// frames, and a miss rarely waits for one. (A smaller cache keeps its
-    /// policy's exact order: it evicts only when it has no frame.)
+    /// 64 eviction batches that once found no free frame, if the frames
+    /// free and waiting fall below one batch: frames an eviction frees
+    /// reach the free list only after their grace period, so the next batch
+    /// starts while the list still has frames, and a miss rarely waits for
+    /// one. (A smaller cache keeps its policy's exact order: it evicts only
+    /// when it has no frame. A cache that never ran out keeps no reserve:
+    /// one with a frame per page of what it is given holds all of it, where
+    /// a reserve of a batch would make every page of a sequential pass miss
+    /// under CLOCK.)
     pub(super) fn alloc_frame(&self) -> Result<u32, ReadError> {
         self.alloc_frame_waiting(true)
     }
@@ -45,7 +49,9 @@ impl<I: Index> PageCache<I> {
     /// holds every grace period up for its time off the CPU).
     pub(super) fn alloc_frame_waiting(&self, wait: bool) -> Result<u32, ReadError> {
         let batch = self.cfg.evict_batch.max(1);
-        let reserve = if self.core.frames.count() / batch >= 64 {
+        let reserve = if self.core.frames.count() / batch >= 64
+            && self.pressed.load(std::sync::atomic::Ordering::Relaxed)
+        {
             batch
         } else {
             0
@@ -56,6 +62,10 @@ impl<I: Index> PageCache<I> {
                     self.reclaim(batch);
                 }
                 return Ok(f);
+            }
+            if !self.pressed.load(std::sync::atomic::Ordering::Relaxed) {
+                self.pressed
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
             }
             self.reclaim(batch);
         }
