@@ -17,7 +17,7 @@ use pagewire_client::cluster::{
 };
 use pagewire_node::pattern;
 use pagewire_proto::auth::AttachToken;
-use pagewire_proto::v1::{NodeState, OwnershipMap};
+use pagewire_proto::v1::{MapNode, NodeState, OwnershipMap};
 use pagewire_testkit::cluster::Cluster;
 use pagewire_testkit::process::Proc;
 use pagewire_testkit::rt;
@@ -301,6 +301,28 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
     );
 }
 
+/// A cluster of one node, `m1` (1,024 frames), settled; `m1` as the map
+/// names it; a runtime of one worker for an `OwnerPool`'s `FaultIn`s.
+fn one_owner() -> (Cluster, MapNode, tokio::runtime::Runtime) {
+    let mut c = cluster(3000);
+    c.start_node("m1", 1024);
+    c.wait_stable(1);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let owner = follower
+        .map()
+        .nodes
+        .iter()
+        .find(|n| n.node_id == "m1")
+        .expect("m1")
+        .clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    (c, owner, rt)
+}
+
 /// A one-sided miss is faulted in with a call on the owner's tcp
 /// transport, not gRPC: with the owner's gRPC address pointing nowhere,
 /// cold pages still come back, right, over tcp and over shm (a call
@@ -310,17 +332,7 @@ fn every_path_reads_every_page_right_while_nodes_evict() {
 fn a_miss_is_one_call_on_the_transport_not_grpc() {
     use pagewire_client::pool::{OwnerPool, PoolConfig};
     let _serial = serial();
-    let mut c = cluster(3000);
-    c.start_node("m1", 1024);
-    c.wait_stable(1);
-    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
-    let map = follower.map();
-    let mut owner = map
-        .nodes
-        .iter()
-        .find(|n| n.node_id == "m1")
-        .expect("m1")
-        .clone();
+    let (c, mut owner, rt) = one_owner();
     assert!(
         owner.transports.iter().any(|t| t.kind == "tcp" && t.calls),
         "the node says it takes fault calls: {:?}",
@@ -328,11 +340,6 @@ fn a_miss_is_one_call_on_the_transport_not_grpc() {
     );
     // Nothing listens there: a gRPC FaultIn would fail.
     owner.grpc_address = "127.0.0.1:9".into();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
     for (k, transport) in [TransportChoice::Tcp, TransportChoice::Shm]
         .into_iter()
         .enumerate()
@@ -389,22 +396,7 @@ fn a_miss_is_one_call_on_the_transport_not_grpc() {
 fn a_sequential_reader_learns_where_the_next_pages_are() {
     use pagewire_client::pool::{OwnerPool, PoolConfig};
     let _serial = serial();
-    let mut c = cluster(3000);
-    c.start_node("m1", 1024);
-    c.wait_stable(1);
-    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
-    let map = follower.map();
-    let owner = map
-        .nodes
-        .iter()
-        .find(|n| n.node_id == "m1")
-        .expect("m1")
-        .clone();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let (_c, owner, rt) = one_owner();
     let extent_pages = EXTENT / PS as u64;
     for (k, transport) in [TransportChoice::Tcp, TransportChoice::Shm]
         .into_iter()
