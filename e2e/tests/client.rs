@@ -323,6 +323,25 @@ fn one_owner() -> (Cluster, MapNode, tokio::runtime::Runtime) {
     (c, owner, rt)
 }
 
+/// A new `OwnerPool` reading over tcp and one over shm, numbered.
+fn pool_per_transport(
+    rt: &tokio::runtime::Runtime,
+) -> Vec<(usize, TransportChoice, pagewire_client::pool::OwnerPool)> {
+    use pagewire_client::pool::{OwnerPool, PoolConfig};
+    [TransportChoice::Tcp, TransportChoice::Shm]
+        .into_iter()
+        .enumerate()
+        .map(|(k, transport)| {
+            let cfg = PoolConfig {
+                transport,
+                ..PoolConfig::default()
+            };
+            let pool = OwnerPool::new(TOKEN, PS, cfg, rt.handle().clone()).expect("pool");
+            (k, transport, pool)
+        })
+        .collect()
+}
+
 /// A one-sided miss is faulted in with a call on the owner's tcp
 /// transport, not gRPC: with the owner's gRPC address pointing nowhere,
 /// cold pages still come back, right, over tcp and over shm (a call
@@ -330,7 +349,6 @@ fn one_owner() -> (Cluster, MapNode, tokio::runtime::Runtime) {
 /// one-sided hit.
 #[test]
 fn a_miss_is_one_call_on_the_transport_not_grpc() {
-    use pagewire_client::pool::{OwnerPool, PoolConfig};
     let _serial = serial();
     let (c, mut owner, rt) = one_owner();
     assert!(
@@ -340,15 +358,7 @@ fn a_miss_is_one_call_on_the_transport_not_grpc() {
     );
     // Nothing listens there: a gRPC FaultIn would fail.
     owner.grpc_address = "127.0.0.1:9".into();
-    for (k, transport) in [TransportChoice::Tcp, TransportChoice::Shm]
-        .into_iter()
-        .enumerate()
-    {
-        let cfg = PoolConfig {
-            transport,
-            ..PoolConfig::default()
-        };
-        let pool = OwnerPool::new(TOKEN, PS, cfg, rt.handle().clone()).expect("pool");
+    for (k, transport, pool) in pool_per_transport(&rt) {
         // Cold pages, a run of three and then one, different per transport.
         let first = 10 + 20 * k as u64;
         for (p, n) in [(first, 3u64), (first + 5, 1)] {
@@ -394,19 +404,10 @@ fn a_miss_is_one_call_on_the_transport_not_grpc() {
 /// around asks for no readahead.
 #[test]
 fn a_sequential_reader_learns_where_the_next_pages_are() {
-    use pagewire_client::pool::{OwnerPool, PoolConfig};
     let _serial = serial();
     let (_c, owner, rt) = one_owner();
     let extent_pages = EXTENT / PS as u64;
-    for (k, transport) in [TransportChoice::Tcp, TransportChoice::Shm]
-        .into_iter()
-        .enumerate()
-    {
-        let cfg = PoolConfig {
-            transport,
-            ..PoolConfig::default()
-        };
-        let pool = OwnerPool::new(TOKEN, PS, cfg, rt.handle().clone()).expect("pool");
+    for (k, transport, pool) in pool_per_transport(&rt) {
         // Four cold extents, one page at a time, from an extent's start.
         let first = extent_pages * (10 + 8 * k as u64);
         let pages = 4 * extent_pages;
