@@ -352,6 +352,7 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
         .as_str()
         .expect("address")
         .to_owned();
+    let backing = c.backing.clone();
     rt().block_on(async move {
         // No token, wrong token.
         let mut anon = coord_client(port, None).await;
@@ -476,6 +477,29 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
             "{:?}",
             r.frames
         );
+        // Readahead is best effort: with the file cut short right after the
+        // run, behind the node's back, the run is still answered, alone.
+        let last = 3 * extent_pages + 4;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&backing)
+            .expect("backing file");
+        file.set_len((last + 1) * PAGE).expect("cut the file");
+        let r = n
+            .fault_in(FaultInRequest {
+                run: Some(PageRun {
+                    first_page: last,
+                    page_count: 1,
+                }),
+                want_data: true,
+                readahead: 8,
+                ..Default::default()
+            })
+            .await
+            .expect("the run, without its readahead")
+            .into_inner();
+        assert_eq!((r.frames.len(), r.data.len() as u64), (1, PAGE));
+        file.set_len(FILE).expect("the file's length back");
         // Three wrong tokens more: the node counts them (issue 21).
         let ch = pagewire_proto::net::connect(&node_addr, None, Duration::from_secs(5))
             .await

@@ -323,7 +323,16 @@ impl Node {
                 // each page's miss goes through the policy instead (`get`),
                 // and readahead reads nothing.
                 if self.cache.policy().admission == Admission::Always {
-                    self.cache.preload(first, count + ahead)?;
+                    // Readahead is best effort: a read ahead that fails
+                    // (frames short, a backing error past the run) must not
+                    // fail the run, which is then read alone.
+                    match self.cache.preload(first, count + ahead) {
+                        Err(e) if ahead == 0 => return Err(e.into()),
+                        Err(_) => {
+                            self.cache.preload(first, count)?;
+                        }
+                        Ok(_) => {}
+                    }
                 }
                 let mut frames = Vec::with_capacity(usize::try_from(count + ahead).unwrap_or(0));
                 let mut data = Vec::new();
