@@ -458,10 +458,7 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
         let at = extent_pages + 4;
         let r = n
             .fault_in(FaultInRequest {
-                run: Some(PageRun {
-                    first_page: at,
-                    page_count: 1,
-                }),
+                run: one(at),
                 want_data: true,
                 readahead: 1000,
                 ..Default::default()
@@ -487,10 +484,7 @@ fn malformed_and_unauthenticated_requests_get_clear_errors() {
         file.set_len((last + 1) * PAGE).expect("cut the file");
         let r = n
             .fault_in(FaultInRequest {
-                run: Some(PageRun {
-                    first_page: last,
-                    page_count: 1,
-                }),
+                run: one(last),
                 want_data: true,
                 readahead: 8,
                 ..Default::default()

@@ -568,14 +568,7 @@ impl<I: Index> PageCache<I> {
     }
 
     fn is_cached(&self, page: u64) -> bool {
-        let mut retries = 0;
-        match self.core.lookup(page, &mut retries) {
-            Some(f) => {
-                self.core.frames.put(f);
-                true
-            }
-            None => false,
-        }
+        self.location(page).is_some()
     }
 
     /// Read the claimed run of pages into fresh frames and gang-insert those

@@ -336,17 +336,22 @@ impl Node {
                 }
                 let mut frames = Vec::with_capacity(usize::try_from(count + ahead).unwrap_or(0));
                 let mut data = Vec::new();
+                let at = |page, frame: u32, generation| FrameLocation {
+                    page,
+                    node_index: me,
+                    frame_index: u64::from(frame),
+                    frame_generation: generation,
+                };
                 for page in first..first + count {
                     let r = self.cache.get(page)?;
                     // A page the policy did not admit has no frame: its
                     // location is (0, generation 0), never a frame that
                     // is not published.
-                    frames.push(FrameLocation {
+                    frames.push(at(
                         page,
-                        node_index: me,
-                        frame_index: u64::from(r.frame().unwrap_or(0)),
-                        frame_generation: r.frame_generation().unwrap_or(0),
-                    });
+                        r.frame().unwrap_or(0),
+                        r.frame_generation().unwrap_or(0),
+                    ));
                     if req.want_data {
                         data.extend_from_slice(&r);
                     }
@@ -356,12 +361,7 @@ impl Node {
                     let Some((frame, generation)) = self.cache.location(page) else {
                         break;
                     };
-                    frames.push(FrameLocation {
-                        page,
-                        node_index: me,
-                        frame_index: u64::from(frame),
-                        frame_generation: generation,
-                    });
+                    frames.push(at(page, frame, generation));
                 }
                 Ok((frames, data))
             })?;
@@ -373,9 +373,7 @@ impl Node {
             map_epoch: epoch,
         })
     }
-}
 
-impl Node {
     /// How many of the `asked` readahead pages from `from` (the page after a
     /// run of `count`) a fault-in takes: they stay in the extent of the
     /// run's last page, in the file, and within the per-call page limit
