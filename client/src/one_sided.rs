@@ -4,7 +4,10 @@
 //! The bytes it reads are laid out as [`pagewire_layout`] documents, and it
 //! accepts a copy only through [`RawHeader::validate`], whose soundness for a
 //! copy made word by word in any order is argued in `raw/frames.rs` (and in
-//! ARCHITECTURE.md, "Remote hit"). Everything it reads from a bucket is a
+//! ARCHITECTURE.md, "Remote hit"), or, on a connection whose READs are
+//! ordered (`shm`), through [`RawHeader::validate_bracketed`]: a seqlock
+//! over the frame's generation, READ before and after the header and the
+//! frame, which spares the checksum (ARCHITECTURE.md, "Ordered readers"). Everything it reads from a bucket is a
 //! hint: a torn bucket or a chain changed under it can only cost a retry or
 //! a fallback, never a wrong byte, and an absent page is never taken as
 //! authoritative: the caller falls back to the owner.
@@ -62,6 +65,12 @@ pub struct ReaderConfig {
     pub backoff: Duration,
     /// Largest backoff.
     pub backoff_max: Duration,
+    /// Validate frames by bracketing their copy with two READs of their
+    /// generation (a seqlock) where the connection's READs are ordered
+    /// ([`Connection::ordered_reads`]: `shm`), instead of computing their
+    /// checksum. Off: every copy is validated by checksum, as on `tcp` and
+    /// `verbs` (which ignore this).
+    pub ordered_validation: bool,
 }
 
 impl Default for ReaderConfig {
@@ -71,6 +80,7 @@ impl Default for ReaderConfig {
             max_hops: 16,
             backoff: Duration::from_micros(1),
             backoff_max: Duration::from_micros(256),
+            ordered_validation: true,
         }
     }
 }
@@ -206,6 +216,9 @@ pub struct RemoteReader<C: Connection> {
     /// Until when the map that named this owner may be trusted (None: the
     /// caller bounds it itself, as the node daemon does with its own lease).
     trust_until: Option<std::time::Instant>,
+    /// Frames are validated by generation brackets, not checksums
+    /// (`cfg.ordered_validation` on an ordered connection).
+    ordered: bool,
 }
 
 impl<C: Connection> RemoteReader<C> {
@@ -232,11 +245,13 @@ impl<C: Connection> RemoteReader<C> {
                 granted: desc.len,
             });
         }
+        let ordered = cfg.ordered_validation && conn.ordered_reads();
         Ok(Self {
             conn,
             desc,
             sb,
             cfg,
+            ordered,
             locations: Locations::new(sb.layout.frame_count),
             stats: ReaderStats::default(),
             trust_until: None,
@@ -244,11 +259,13 @@ impl<C: Connection> RemoteReader<C> {
     }
 
     /// The most pages one [`RemoteReader::read_run`] batch should hold:
-    /// a warm batch is two READs per page (header and frame) under one
+    /// a warm batch is two READs per page (header and frame; four on an
+    /// ordered connection, with the two generation READs) under one
     /// doorbell, which must fit the connection's queue (at most
     /// [`crate::pool::RUN_CHUNK`]).
     pub fn batch_pages(&self) -> usize {
-        (self.conn.limits().max_outstanding / 2).clamp(1, crate::pool::RUN_CHUNK)
+        (self.conn.limits().max_outstanding / reads_per_frame(self.ordered))
+            .clamp(1, crate::pool::RUN_CHUNK)
     }
 
     /// The connection the reader reads over (for what its backend offers
@@ -548,23 +565,34 @@ impl<C: Connection> RemoteReader<C> {
             .copied()
             .filter(|&(_, f, _)| (f as usize) < l.frame_count)
             .collect();
+        let ordered = self.ordered;
         let mut headers = vec![0u8; want.len() * LINE];
+        // The generation READ before and after each frame (ordered only).
+        let mut gens = vec![0u8; if ordered { want.len() * 16 } else { 0 }];
         {
             let mut frames: Vec<&mut [u8]> = out.chunks_exact_mut(ps).collect();
-            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(2 * want.len());
+            let mut reads: Vec<(u64, &mut [u8])> =
+                Vec::with_capacity(reads_per_frame(ordered) * want.len());
             let mut hdrs = headers.chunks_exact_mut(LINE);
+            let mut gen_words = gens.chunks_exact_mut(8);
             // Take each wanted frame's buffer out of `frames` (indices are
             // distinct and increasing).
             let mut taken: Vec<Option<&mut [u8]>> = frames.drain(..).map(Some).collect();
             for &(i, f, _) in &want {
-                reads.push((
+                let frame = (
                     l.header(f as usize) as u64,
                     hdrs.next().expect("one per frame"),
-                ));
-                reads.push((
                     l.frame(f as usize) as u64,
                     taken[i].take().expect("each page once"),
-                ));
+                );
+                push_frame_reads(
+                    &mut reads,
+                    frame,
+                    ordered.then(|| {
+                        let before = gen_words.next().expect("two per frame");
+                        (before, gen_words.next().expect("two per frame"))
+                    }),
+                );
             }
             read_all(&mut self.conn, self.desc, &mut reads)?;
         }
@@ -572,8 +600,10 @@ impl<C: Connection> RemoteReader<C> {
         for (k, &(i, f, gen32)) in want.iter().enumerate() {
             let page = first + i as u64;
             let frame = &out[i * ps..(i + 1) * ps];
+            let bracket = ordered.then(|| &gens[k * 16..(k + 1) * 16]);
             let valid = RawHeader::decode(&headers[k * LINE..(k + 1) * LINE]).filter(|h| {
-                h.validate(page, frame) && gen32.is_none_or(|g| h.generation as u32 == g)
+                frame_valid(h, page, frame, bracket)
+                    && gen32.is_none_or(|g| h.generation as u32 == g)
             });
             match valid {
                 Some(h) => ok.push((i, f, h.generation)),
@@ -614,17 +644,27 @@ impl<C: Connection> RemoteReader<C> {
         if frame as usize >= l.frame_count {
             return Ok(None);
         }
-        let mut header = [0u8; LINE];
-        read_all(
-            &mut self.conn,
-            self.desc,
-            &mut [
-                (l.header(frame as usize) as u64, &mut header[..]),
-                (l.frame(frame as usize) as u64, &mut *out),
-            ],
-        )?;
-        let ok = RawHeader::decode(&header)
-            .filter(|h| h.validate(page, out) && gen32.is_none_or(|g| h.generation as u32 == g));
+        let ordered = self.ordered;
+        let (mut header, mut gens) = ([0u8; LINE], [0u8; 16]);
+        {
+            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(4);
+            let (before, after) = gens.split_at_mut(8);
+            push_frame_reads(
+                &mut reads,
+                (
+                    l.header(frame as usize) as u64,
+                    &mut header[..],
+                    l.frame(frame as usize) as u64,
+                    &mut *out,
+                ),
+                ordered.then_some((before, after)),
+            );
+            read_all(&mut self.conn, self.desc, &mut reads)?;
+        }
+        let bracket = ordered.then_some(&gens[..]);
+        let ok = RawHeader::decode(&header).filter(|h| {
+            frame_valid(h, page, out, bracket) && gen32.is_none_or(|g| h.generation as u32 == g)
+        });
         match ok {
             Some(h) => Ok(Some(h.generation)),
             None => {
@@ -693,6 +733,53 @@ enum Walk {
     Absent,
     /// Locked, torn, or changed while walked: retry.
     Torn,
+}
+
+/// READs per frame: header and bytes, and on an ordered connection the
+/// generation before and after them.
+fn reads_per_frame(ordered: bool) -> usize {
+    if ordered { 4 } else { 2 }
+}
+
+/// Appends the READs of one frame, `(header offset, header buffer, frame
+/// offset, frame buffer)`: on an ordered connection (`bracket`: two 8-byte
+/// buffers) bracketed by two READs of its generation word, a seqlock read
+/// (ARCHITECTURE.md, "Ordered readers"); else header and bytes alone, to be
+/// validated by checksum.
+fn push_frame_reads<'a>(
+    reads: &mut Vec<(u64, &'a mut [u8])>,
+    (header_at, header, frame_at, frame): (u64, &'a mut [u8], u64, &'a mut [u8]),
+    bracket: Option<(&'a mut [u8], &'a mut [u8])>,
+) {
+    let generation_at = header_at + pagewire_layout::hdr::GENERATION as u64;
+    match bracket {
+        Some((before, after)) => {
+            // In this order: the generation first (the READs after it see
+            // at least its incarnation's stores), the generation last (any
+            // store of a refill seen by the copies is seen by it too).
+            reads.push((generation_at, before));
+            reads.push((header_at, header));
+            reads.push((frame_at, frame));
+            reads.push((generation_at, after));
+        }
+        None => {
+            reads.push((header_at, header));
+            reads.push((frame_at, frame));
+        }
+    }
+}
+
+/// Whether the copy `h` + `frame` is page `page`: by the generation words
+/// READ around it on an ordered connection (`bracket`: 16 bytes, before
+/// then after), else by its checksum.
+fn frame_valid(h: &RawHeader, page: u64, frame: &[u8], bracket: Option<&[u8]>) -> bool {
+    match bracket {
+        Some(b) => {
+            let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+            h.validate_bracketed(page, word(0), word(8))
+        }
+        None => h.validate(page, frame),
+    }
 }
 
 /// Post every `(offset, buffer)` READ under one doorbell and wait for all.

@@ -497,6 +497,23 @@ impl RawHeader {
             && self.checksum == checksum(self.page, self.generation, self.len, frame)
     }
 
+    /// The validation of an *ordered* reader (a seqlock, ARCHITECTURE.md,
+    /// "Ordered readers"): `before` is the frame's generation word as READ
+    /// before this header and the frame's bytes, `after` as READ after
+    /// them, on a connection whose READs are performed in order with an
+    /// Acquire fence between them (`shm`). The copy is accepted as `page`
+    /// iff the generation is odd and the same in all three reads, the state
+    /// is `Published` and the page matches; the checksum is not computed.
+    /// Sound only for such a reader: one that copies words in any order
+    /// must use [`RawHeader::validate`].
+    pub fn validate_bracketed(&self, page: u64, before: u64, after: u64) -> bool {
+        self.generation % 2 == 1
+            && before == self.generation
+            && after == self.generation
+            && self.state == FrameState::Published as u32
+            && self.page == page
+    }
+
     /// [`RawHeader::validate`], and the generation is exactly `generation`.
     pub fn validates(&self, page: u64, generation: u64, frame: &[u8]) -> bool {
         self.generation == generation && self.validate(page, frame)
@@ -612,5 +629,31 @@ mod tests {
         let mut torn = frame.clone();
         torn[63] = 8;
         assert!(!good.validates(3, 9, &torn));
+    }
+
+    #[test]
+    fn a_bracketed_validation_needs_one_odd_generation_in_all_three_reads() {
+        let good = RawHeader {
+            page: 3,
+            generation: 9,
+            // Not consulted: an ordered reader computes no checksum.
+            checksum: 0,
+            len: 64,
+            state: 2,
+        };
+        assert!(good.validate_bracketed(3, 9, 9));
+        // The generation moved on during the copy (a refill began), or
+        // before the header was read.
+        assert!(!good.validate_bracketed(3, 9, 10));
+        assert!(!good.validate_bracketed(3, 9, 11));
+        assert!(!good.validate_bracketed(3, 7, 9));
+        // Unpublished, another page, not the published state.
+        let even = RawHeader {
+            generation: 10,
+            ..good
+        };
+        assert!(!even.validate_bracketed(3, 10, 10));
+        assert!(!good.validate_bracketed(4, 9, 9));
+        assert!(!RawHeader { state: 3, ..good }.validate_bracketed(3, 9, 9));
     }
 }

@@ -1,6 +1,7 @@
 //! loom models of the races the lockless cache must survive, for local
 //! readers (which take references) and remote readers (which copy words in
-//! any order and validate). They run
+//! any order and validate by checksum, or, ordered, bracket their copy with
+//! two loads of the generation). They run
 //! the shipping code of [`crate::core`] and [`crate::raw`] (loom atomics and
 //! `UnsafeCell`s come in through [`crate::sync`]), so loom checks both the
 //! protocol's outcomes and that no frame byte is read while it is written.
@@ -443,6 +444,104 @@ fn remote_copy_vs_cow_and_reuse() {
                 !after_ack,
                 "old bytes accepted after the write's ack: {hdr:?} {bytes:?}"
             );
+        }
+        owner.join().unwrap();
+    });
+}
+
+/// What an ordered remote reader (`shm`: each READ's loads ordered before
+/// the next READ's by an Acquire fence) copied of frame `f`: the generation,
+/// then the header words, then the frame, then the generation again, a
+/// fence after each READ. Returns the header, the bytes and the two
+/// generations, for `RawHeader::validate_bracketed`.
+fn ordered_copy(c: &Core<Lockless>, f: u32) -> (crate::layout::RawHeader, Vec<u8>, u64, u64) {
+    use crate::sync::Ordering::{Acquire, Relaxed};
+    use crate::sync::fence;
+    let h = c.frames.header(f);
+    let before = h.generation.load(Relaxed);
+    fence(Acquire);
+    // The header READ: its words in address order, as the shm copy loads them.
+    let hdr = crate::layout::RawHeader {
+        page: h.page.load(Relaxed),
+        generation: h.generation.load(Relaxed),
+        checksum: h.checksum.load(Relaxed),
+        len: h.len.load(Relaxed),
+        state: h.state.load(Relaxed),
+    };
+    fence(Acquire);
+    let mut bytes = vec![0u8; PS];
+    c.frames.region().copy_frame(f, &mut bytes);
+    fence(Acquire);
+    let after = h.generation.load(Relaxed);
+    (hdr, bytes, before, after)
+}
+
+/// An ordered reader (a seqlock, no checksum) copies frame 0, which held
+/// page 1, while the owner evicts page 1 and refills the same frame with
+/// page 2. A copy accepted as page 1 holds page 1's bytes, whole; one
+/// accepted as page 2 holds page 2's; a mix is never accepted.
+#[test]
+fn ordered_copy_vs_evict_and_refill() {
+    builder().check(|| {
+        let c = Arc::new(core(1));
+        let f = insert(&c, 1, 0x11).unwrap();
+        c.frames.put(f);
+        let generation = c.index.peek(&c.frames, 1).unwrap().1;
+        let owner = {
+            let c = Arc::clone(&c);
+            thread::spawn(move || {
+                assert_eq!(c.remove_frame(1, f, generation), Sweep::Evicted);
+                let g = insert(&c, 2, 0x22).unwrap();
+                c.frames.put(g);
+            })
+        };
+        let (hdr, bytes, before, after) = ordered_copy(&c, f);
+        if hdr.validate_bracketed(1, before, after) {
+            assert!(bytes.iter().all(|&b| b == 0x11), "wrong bytes {bytes:?}");
+        }
+        if hdr.validate_bracketed(2, before, after) {
+            assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
+        }
+        owner.join().unwrap();
+    });
+}
+
+/// The ABA case for an ordered reader: holding a stale location of page 1
+/// (frame 0), it copies the frame while the owner writes page 1
+/// (copy-on-write into frame 1), acknowledges, and reuses frame 0 for
+/// page 2. An accepted copy of page 1 holds its old bytes, whole, and only
+/// if the acknowledgement came after the copy began.
+#[test]
+fn ordered_copy_vs_cow_and_reuse() {
+    builder().check(|| {
+        let c = Arc::new(core(2));
+        let f = insert(&c, 1, 0x11).unwrap();
+        c.frames.put(f);
+        let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+        let owner = {
+            let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
+            thread::spawn(move || {
+                let n = c.frames.alloc().expect("second frame");
+                // SAFETY: `alloc` gave us the frame exclusively.
+                unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
+                c.publish_cow(1, n, PS as u32).unwrap();
+                acked.store(true, crate::sync::Ordering::Release);
+                let g = insert(&c, 2, 0x22).unwrap();
+                assert_eq!(g, f, "the old frame is the only free one");
+                c.frames.put(g);
+            })
+        };
+        let after_ack = acked.load(crate::sync::Ordering::Acquire);
+        let (hdr, bytes, before, after) = ordered_copy(&c, f);
+        if hdr.validate_bracketed(1, before, after) {
+            assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
+            assert!(
+                !after_ack,
+                "old bytes accepted after the write's ack: {hdr:?} {bytes:?}"
+            );
+        }
+        if hdr.validate_bracketed(2, before, after) {
+            assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
         }
         owner.join().unwrap();
     });

@@ -211,3 +211,91 @@ fn a_readers_index_cache_stays_bounded_by_the_owners_frames() {
     }
     pattern::verify(last, &buf).unwrap();
 }
+
+/// An `shm` reader validates a frame by the generation it READs before and
+/// after the frame's header and bytes (its READs are ordered: a seqlock),
+/// not by the frame's checksum; with `ordered_validation` off it validates
+/// by checksum, as every `tcp` and `verbs` reader does. Shown with a frame
+/// whose checksum word is made wrong while it stays published: the ordered
+/// reader reads it (its bytes are the page's), the checksum reader never
+/// accepts it. (That the ordered reader rejects a frame refilled under it
+/// is `remote_reads_across_processes`, whose shm readers copy in chaos mode
+/// against an owner that evicts, refills and writes.)
+#[test]
+fn an_shm_reader_validates_by_generation_brackets_not_checksums() {
+    const SMALL: usize = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    pattern::generate_file(&d.join("data"), SMALL as u64 * PS as u64, PS).unwrap();
+    let owner = ShmOwner::create_in(d, "brackets").unwrap();
+    let region = owner
+        .register(PageCache::<Lockless>::region_len(PS, SMALL))
+        .unwrap();
+    let desc = region.descriptor();
+    let cache = PageCache::<Lockless>::open_on(
+        &d.join("data"),
+        CacheConfig {
+            frames: SMALL,
+            readahead_max: 0,
+            ..Default::default()
+        },
+        Some(Box::new(region)),
+    )
+    .unwrap();
+    cache.set_epoch(desc.epoch);
+    let reader = |ordered_validation: bool| {
+        let conn = ShmConnection::connect(
+            "brackets",
+            ShmConfig {
+                dir: Some(d.to_owned()),
+                chaos: None,
+            },
+        )
+        .unwrap();
+        assert!(pagewire_rdma::Connection::ordered_reads(&conn));
+        let cfg = ReaderConfig {
+            ordered_validation,
+            ..ReaderConfig::default()
+        };
+        RemoteReader::connect(conn, desc, cfg).unwrap()
+    };
+    let page = 3;
+    drop(cache.get(page).unwrap());
+    let (frame, generation) = cache.location(page).unwrap();
+    let mut buf = vec![0u8; PS];
+    for ordered in [true, false] {
+        match reader(ordered).read_page(page, &mut buf).unwrap() {
+            Outcome::Hit { frame: f, .. } => assert_eq!(f, frame),
+            o => panic!("an intact frame, ordered {ordered}: {o:?}"),
+        }
+        pattern::verify(page, &buf).unwrap();
+    }
+    // Make the frame's checksum word wrong; the frame stays published.
+    let view = cache.region();
+    let at = view.layout.header(frame as usize) + pagewire_node::layout::hdr::CHECKSUM;
+    assert!(at + 8 <= view.len);
+    // SAFETY: `at` is the 8-aligned checksum word of a frame header inside
+    // the cache's region, which stays mapped while `cache` lives; the cache
+    // and readers only ever access that word atomically.
+    let word = unsafe { &*view.addr.add(at).cast::<std::sync::atomic::AtomicU64>() };
+    word.fetch_xor(1, std::sync::atomic::Ordering::Relaxed);
+    let mut ordered = reader(true);
+    buf.fill(0);
+    match ordered.read_page(page, &mut buf).unwrap() {
+        Outcome::Hit {
+            frame: f,
+            generation: g,
+            ..
+        } => assert_eq!((f, g), (frame, generation)),
+        o => panic!("the ordered reader, wrong checksum word: {o:?}"),
+    }
+    pattern::verify(page, &buf).unwrap();
+    assert_eq!(ordered.stats().validation_failures, 0);
+    let mut summed = reader(false);
+    let o = summed.read_page(page, &mut buf).unwrap();
+    assert!(
+        !matches!(o, Outcome::Hit { .. }),
+        "the checksum reader accepted a frame whose checksum is wrong: {o:?}"
+    );
+    assert!(summed.stats().validation_failures > 0);
+}

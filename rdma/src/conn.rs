@@ -102,6 +102,20 @@ pub unsafe trait Connection: Send {
     /// This connection's limits.
     fn limits(&self) -> Limits;
 
+    /// Whether the READs of one batch are performed in the order given, as
+    /// a reader thread's own loads would be: every load of a READ is
+    /// ordered before every load of the READs after it in the batch, as by
+    /// an Acquire fence between them, and the memory read is the owner's
+    /// own memory (coherent with its CPUs' stores). A reader that gets
+    /// `true` may validate a frame by bracketing its copy with two READs of
+    /// its generation (a seqlock; ARCHITECTURE.md, "Ordered readers")
+    /// instead of by its checksum. `shm` says yes (the reader's thread
+    /// copies, with a fence after each READ); `tcp` and `verbs` say no (a
+    /// NIC, soft or real, promises no order between the words of READs).
+    fn ordered_reads(&self) -> bool {
+        false
+    }
+
     /// A file descriptor that becomes readable when `poll` may make progress,
     /// for event loops; `None` when completions are ready as soon as posted
     /// (`shm`) or there is no such descriptor. The descriptor stays open and

@@ -100,6 +100,8 @@ struct Shared<C> {
     next_handle: AtomicU32,
     broken: AtomicBool,
     limits: Limits,
+    /// The inner connection's [`Connection::ordered_reads`].
+    ordered: bool,
     /// Handles sleep on this descriptor without the mutex (None: they wait
     /// on the inner connection under it).
     fd: Option<std::os::fd::RawFd>,
@@ -251,7 +253,7 @@ impl<C: Connection> SharedConnection<C> {
 
     fn with_fd(conn: C, fd: Option<std::os::fd::RawFd>, spin: Duration) -> Self {
         debug_assert_eq!(conn.outstanding(), 0);
-        let limits = conn.limits();
+        let (limits, ordered) = (conn.limits(), conn.ordered_reads());
         Self {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
@@ -263,6 +265,7 @@ impl<C: Connection> SharedConnection<C> {
                 next_handle: AtomicU32::new(0),
                 broken: AtomicBool::new(false),
                 limits,
+                ordered,
                 fd,
                 spin: Mutex::new(AdaptiveSpin::new(
                     &spin::READER,
@@ -549,6 +552,11 @@ unsafe impl<C: Connection> Connection for SharedHandle<C> {
 
     fn limits(&self) -> Limits {
         self.shared.limits
+    }
+
+    fn ordered_reads(&self) -> bool {
+        // A batch goes to the inner connection whole, in one post.
+        self.shared.ordered
     }
 }
 

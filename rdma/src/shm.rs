@@ -97,13 +97,17 @@
 //! **Ordering.** The Release store of the magic pairs with the reader's
 //! Acquire load of it (so the fields are visible); the Release store of DEAD
 //! pairs with the reader's Acquire loads of the state before and after its
-//! copy.
+//! copy. After each READ's copy the reader fences (Acquire), so the READs of
+//! one batch are ordered as its thread's own loads would be
+//! ([`Connection::ordered_reads`]): a reader may bracket a frame's copy with
+//! two READs of its generation, a seqlock, instead of checking its checksum.
 //!
 //! **Critical interleavings.** (a) The owner revokes or closes during a
 //! copy: the reader's mapping stays valid (the file's pages live until the
 //! last mapping goes), so the copy reads stale-but-mapped bytes, and the
 //! state load after the copy turns it into an error. (b) The owner rewrites
-//! data during a copy: a torn READ, caught by the reader's checksum.
+//! data during a copy: a torn READ, caught by the reader's validation (the
+//! generation READ after the copy, or the checksum).
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -111,7 +115,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::time::Duration;
 
 use memmap2::{Mmap, MmapMut};
@@ -810,6 +814,12 @@ impl ShmConnection {
                 chaos.as_ref(),
             )
         };
+        // Acquire: every load of this copy is ordered before every load
+        // that follows, the next READ's included (`ordered_reads`). A copy
+        // that read a store of a frame's refill thus synchronises with the
+        // refill's Release fence (the owner's `alloc`) before the READ of
+        // the frame's generation that brackets it.
+        fence(Ordering::Acquire);
         if !self.owner_live() {
             self.lost = true;
             return Err(ReadError::ConnectionLost);
@@ -874,5 +884,11 @@ unsafe impl Connection for ShmConnection {
             max_outstanding: MAX_OUTSTANDING,
             max_read_len: MAX_READ,
         }
+    }
+
+    fn ordered_reads(&self) -> bool {
+        // `post_reads` copies each READ in this thread, in order, with an
+        // Acquire fence after each (`read_one`).
+        true
     }
 }

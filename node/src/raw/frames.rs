@@ -188,6 +188,35 @@
 //! owner; it never needs the slot's 32-bit generation for safety (that is a
 //! hint to skip frames that were reused, see [`crate::layout`]).
 //!
+//! # Ordered remote readers: a seqlock instead of the checksum
+//!
+//! A reader whose READs are performed in order, each one's loads ordered
+//! before the next one's as by an Acquire fence, and on the owner's own
+//! coherent memory (`shm`: the reader's thread copies, with
+//! `fence(Acquire)` after each READ; `Connection::ordered_reads`), may
+//! validate as the local copy-out does ([`Frames::copy_validated`]): it
+//! READs the generation word (`G1`), then the header and the frame, then
+//! the generation word again (`G2`), and accepts iff `G1` is odd and equals
+//! the header's generation and `G2`, the state is `Published` and the page
+//! matches (`RawHeader::validate_bracketed`); it computes no checksum.
+//!
+//! * `G1` was read first, and the fence after it makes it an Acquire load:
+//!   it pairs with `make_visible`'s Release store of `G1`, so the header
+//!   and bytes the later READs copy are at least incarnation `G1`'s.
+//! * If any word or byte of those copies came from a later refill of the
+//!   frame, that refill began with `alloc`'s Release fence, which the
+//!   reader's Acquire fence after that copy synchronises with; the
+//!   invalidation of `G1` happens before the fence (it preceded the frame's
+//!   free, which the free list's Acquire orders before `alloc`), so the
+//!   READ of `G2` sees the generation moved on and the copy is refused.
+//! * So an accepted copy holds only incarnation `G1`'s stores, and at the
+//!   instant `G1` was read it was *the* content of the page (step 3 above).
+//!
+//! This is the local copy-out's argument with the reader in another
+//! process; it needs the loads' order, so it is sound only for such a
+//! reader. A reader of any other transport validates by checksum, as
+//! above.
+//!
 //! # Critical interleavings
 //!
 //! * Reader loads `page → frame f` from the index; evictor freezes f,
@@ -208,6 +237,12 @@
 //!   and its bytes after the frame was freed and refilled: its generation
 //!   word is the old odd value, its checksum word the old or the new one,
 //!   and its bytes new ones: the checksum does not match (step 2).
+//! * An ordered (`shm`) reader READs `G1` odd, then the frame is
+//!   invalidated, freed and refilled while it copies the bytes: it copies
+//!   some new bytes, so its second READ of the generation sees the
+//!   invalidation (the refill's `alloc` fence) and it retries; it never
+//!   looks at the checksum word, which the refill may already have set to
+//!   the new bytes' checksum.
 
 use super::Header;
 use super::region::Region;
@@ -477,7 +512,8 @@ impl Frames {
         };
         // Release: orders the invalidation that preceded this frame's free
         // (seen through the free list's Acquire) before every store of the
-        // refill; pairs with the Acquire fence in `copy_validated`.
+        // refill; pairs with the Acquire fence in `copy_validated` and with
+        // the one an ordered (`shm`) remote reader makes after each READ.
         fence(Ordering::Release);
         let h = self.header(f);
         debug_assert_eq!(h.refcount.load(Ordering::Relaxed), 0);
