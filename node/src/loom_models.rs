@@ -341,14 +341,92 @@ fn orders() -> Vec<Vec<Word>> {
     ]
 }
 
+/// A remote reader: one that copies words in the order given and validates
+/// by checksum (any transport), or an ordered one (`shm`: each READ's loads
+/// ordered before the next READ's by an Acquire fence) that brackets its
+/// copy with two loads of the generation and computes no checksum.
+#[derive(Clone, Debug)]
+enum Reader {
+    Words(Vec<Word>),
+    Ordered,
+}
+
+/// Every word order of [`orders`], and the ordered reader.
+fn readers() -> Vec<Reader> {
+    let mut r: Vec<Reader> = orders().into_iter().map(Reader::Words).collect();
+    r.push(Reader::Ordered);
+    r
+}
+
+/// What a [`Reader`] copied of a frame.
+struct Copied {
+    hdr: crate::layout::RawHeader,
+    bytes: Vec<u8>,
+    /// The ordered reader's generations before and after the copy.
+    bracket: Option<(u64, u64)>,
+}
+
+impl Copied {
+    /// Whether the reader accepts the copy as `page`.
+    fn accepts(&self, page: u64) -> bool {
+        match self.bracket {
+            Some((before, after)) => self.hdr.validate_bracketed(page, before, after),
+            None => self.hdr.validate(page, &self.bytes),
+        }
+    }
+}
+
+/// Frame `f` as `reader` copies it.
+fn copy(c: &Core<Lockless>, f: u32, reader: &Reader) -> Copied {
+    match reader {
+        Reader::Words(order) => {
+            let (hdr, bytes) = remote_copy(c, f, order);
+            Copied {
+                hdr,
+                bytes,
+                bracket: None,
+            }
+        }
+        Reader::Ordered => ordered_copy(c, f),
+    }
+}
+
+/// The ordered reader's READs: the generation, the header words (in
+/// address order, as the shm copy loads them), the frame, the generation
+/// again, with an Acquire fence after each READ.
+fn ordered_copy(c: &Core<Lockless>, f: u32) -> Copied {
+    use crate::sync::Ordering::{Acquire, Relaxed};
+    use crate::sync::fence;
+    let h = c.frames.header(f);
+    let before = h.generation.load(Relaxed);
+    fence(Acquire);
+    let hdr = crate::layout::RawHeader {
+        page: h.page.load(Relaxed),
+        generation: h.generation.load(Relaxed),
+        checksum: h.checksum.load(Relaxed),
+        len: h.len.load(Relaxed),
+        state: h.state.load(Relaxed),
+    };
+    fence(Acquire);
+    let mut bytes = vec![0u8; PS];
+    c.frames.region().copy_frame(f, &mut bytes);
+    fence(Acquire);
+    let after = h.generation.load(Relaxed);
+    Copied {
+        hdr,
+        bytes,
+        bracket: Some((before, after)),
+    }
+}
+
 /// A remote reader holding a stale location of page 1 (frame 0) copies it,
-/// word by word in a chosen order, while the owner writes page 1
+/// word by word in a chosen order or ordered, while the owner writes page 1
 /// (copy-on-write into frame 1) and acknowledges the write. A copy that
 /// validates holds page 1's old or new bytes, whole, and never the old ones
 /// if the acknowledgement came before the copy began.
 #[test]
 fn remote_copy_vs_cow() {
-    for order in orders() {
+    for reader in readers() {
         builder().check(move || {
             let c = Arc::new(core(2));
             let f = insert(&c, 1, 0x11).unwrap();
@@ -366,8 +444,9 @@ fn remote_copy_vs_cow() {
                 })
             };
             let after_ack = acked.load(crate::sync::Ordering::Acquire);
-            let (hdr, bytes) = remote_copy(&c, f, &order);
-            if hdr.validate(1, &bytes) {
+            let got = copy(&c, f, &reader);
+            if got.accepts(1) {
+                let bytes = &got.bytes;
                 assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
                 assert!(!after_ack, "old bytes accepted after the write's ack");
             }
@@ -376,13 +455,14 @@ fn remote_copy_vs_cow() {
     }
 }
 
-/// A remote reader copies frame 0, which held page 1, while the owner evicts
-/// page 1 and refills the same frame with page 2. A copy that validates as
+/// A remote reader (each word order, and the ordered reader) copies frame
+/// 0, which held page 1, while the owner evicts page 1 and refills the same
+/// frame with page 2. A copy that validates as
 /// page 1 holds page 1's bytes, whole; page 2's bytes never validate as
 /// page 1, and a mix of the two never validates at all.
 #[test]
 fn remote_copy_vs_evict_and_refill() {
-    for order in orders() {
+    for reader in readers() {
         builder().check(move || {
             let c = Arc::new(core(1));
             let f = insert(&c, 1, 0x11).unwrap();
@@ -396,11 +476,12 @@ fn remote_copy_vs_evict_and_refill() {
                     c.frames.put(g);
                 })
             };
-            let (hdr, bytes) = remote_copy(&c, f, &order);
-            if hdr.validate(1, &bytes) {
+            let got = copy(&c, f, &reader);
+            let bytes = &got.bytes;
+            if got.accepts(1) {
                 assert!(bytes.iter().all(|&b| b == 0x11), "wrong bytes {bytes:?}");
             }
-            if hdr.validate(2, &bytes) {
+            if got.accepts(2) {
                 assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
             }
             owner.join().unwrap();
@@ -410,141 +491,50 @@ fn remote_copy_vs_evict_and_refill() {
 
 /// The ABA case: a reader holding a stale location of page 1 (frame 0)
 /// copies it while the owner writes page 1 (copy-on-write into frame 1),
-/// acknowledges, and reuses frame 0 for page 2. The reader copies the state
-/// word last, so it may see frame 0 published again (for page 2) with every
-/// other word still page 1's old copy: the generation, read after the
-/// acknowledgement, must still refuse it.
+/// acknowledges, and reuses frame 0 for page 2. The word reader copies the
+/// state word last, so it may see frame 0 published again (for page 2) with
+/// every other word still page 1's old copy: the generation, read after the
+/// acknowledgement, must still refuse it. The ordered reader (generation
+/// before and after) is run against the same owner.
 #[test]
 fn remote_copy_vs_cow_and_reuse() {
     use Word::*;
     let order = vec![Byte(0), Byte(1), Checksum, Page, Generation, LenState];
-    builder().check(move || {
-        let c = Arc::new(core(2));
-        let f = insert(&c, 1, 0x11).unwrap();
-        c.frames.put(f);
-        let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
-        let owner = {
-            let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
-            thread::spawn(move || {
-                let n = c.frames.alloc().expect("second frame");
-                // SAFETY: `alloc` gave us the frame exclusively.
-                unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
-                c.publish_cow(1, n, PS as u32).unwrap();
-                acked.store(true, crate::sync::Ordering::Release);
-                let g = insert(&c, 2, 0x22).unwrap();
-                assert_eq!(g, f, "the old frame is the only free one");
-                c.frames.put(g);
-            })
-        };
-        let after_ack = acked.load(crate::sync::Ordering::Acquire);
-        let (hdr, bytes) = remote_copy(&c, f, &order);
-        if hdr.validate(1, &bytes) {
-            assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
-            assert!(
-                !after_ack,
-                "old bytes accepted after the write's ack: {hdr:?} {bytes:?}"
-            );
-        }
-        owner.join().unwrap();
-    });
-}
-
-/// What an ordered remote reader (`shm`: each READ's loads ordered before
-/// the next READ's by an Acquire fence) copied of frame `f`: the generation,
-/// then the header words, then the frame, then the generation again, a
-/// fence after each READ. Returns the header, the bytes and the two
-/// generations, for `RawHeader::validate_bracketed`.
-fn ordered_copy(c: &Core<Lockless>, f: u32) -> (crate::layout::RawHeader, Vec<u8>, u64, u64) {
-    use crate::sync::Ordering::{Acquire, Relaxed};
-    use crate::sync::fence;
-    let h = c.frames.header(f);
-    let before = h.generation.load(Relaxed);
-    fence(Acquire);
-    // The header READ: its words in address order, as the shm copy loads them.
-    let hdr = crate::layout::RawHeader {
-        page: h.page.load(Relaxed),
-        generation: h.generation.load(Relaxed),
-        checksum: h.checksum.load(Relaxed),
-        len: h.len.load(Relaxed),
-        state: h.state.load(Relaxed),
-    };
-    fence(Acquire);
-    let mut bytes = vec![0u8; PS];
-    c.frames.region().copy_frame(f, &mut bytes);
-    fence(Acquire);
-    let after = h.generation.load(Relaxed);
-    (hdr, bytes, before, after)
-}
-
-/// An ordered reader (a seqlock, no checksum) copies frame 0, which held
-/// page 1, while the owner evicts page 1 and refills the same frame with
-/// page 2. A copy accepted as page 1 holds page 1's bytes, whole; one
-/// accepted as page 2 holds page 2's; a mix is never accepted.
-#[test]
-fn ordered_copy_vs_evict_and_refill() {
-    builder().check(|| {
-        let c = Arc::new(core(1));
-        let f = insert(&c, 1, 0x11).unwrap();
-        c.frames.put(f);
-        let generation = c.index.peek(&c.frames, 1).unwrap().1;
-        let owner = {
-            let c = Arc::clone(&c);
-            thread::spawn(move || {
-                assert_eq!(c.remove_frame(1, f, generation), Sweep::Evicted);
-                let g = insert(&c, 2, 0x22).unwrap();
-                c.frames.put(g);
-            })
-        };
-        let (hdr, bytes, before, after) = ordered_copy(&c, f);
-        if hdr.validate_bracketed(1, before, after) {
-            assert!(bytes.iter().all(|&b| b == 0x11), "wrong bytes {bytes:?}");
-        }
-        if hdr.validate_bracketed(2, before, after) {
-            assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
-        }
-        owner.join().unwrap();
-    });
-}
-
-/// The ABA case for an ordered reader: holding a stale location of page 1
-/// (frame 0), it copies the frame while the owner writes page 1
-/// (copy-on-write into frame 1), acknowledges, and reuses frame 0 for
-/// page 2. An accepted copy of page 1 holds its old bytes, whole, and only
-/// if the acknowledgement came after the copy began.
-#[test]
-fn ordered_copy_vs_cow_and_reuse() {
-    builder().check(|| {
-        let c = Arc::new(core(2));
-        let f = insert(&c, 1, 0x11).unwrap();
-        c.frames.put(f);
-        let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
-        let owner = {
-            let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
-            thread::spawn(move || {
-                let n = c.frames.alloc().expect("second frame");
-                // SAFETY: `alloc` gave us the frame exclusively.
-                unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
-                c.publish_cow(1, n, PS as u32).unwrap();
-                acked.store(true, crate::sync::Ordering::Release);
-                let g = insert(&c, 2, 0x22).unwrap();
-                assert_eq!(g, f, "the old frame is the only free one");
-                c.frames.put(g);
-            })
-        };
-        let after_ack = acked.load(crate::sync::Ordering::Acquire);
-        let (hdr, bytes, before, after) = ordered_copy(&c, f);
-        if hdr.validate_bracketed(1, before, after) {
-            assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
-            assert!(
-                !after_ack,
-                "old bytes accepted after the write's ack: {hdr:?} {bytes:?}"
-            );
-        }
-        if hdr.validate_bracketed(2, before, after) {
-            assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
-        }
-        owner.join().unwrap();
-    });
+    for reader in [Reader::Words(order), Reader::Ordered] {
+        builder().check(move || {
+            let c = Arc::new(core(2));
+            let f = insert(&c, 1, 0x11).unwrap();
+            c.frames.put(f);
+            let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+            let owner = {
+                let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
+                thread::spawn(move || {
+                    let n = c.frames.alloc().expect("second frame");
+                    // SAFETY: `alloc` gave us the frame exclusively.
+                    unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
+                    c.publish_cow(1, n, PS as u32).unwrap();
+                    acked.store(true, crate::sync::Ordering::Release);
+                    let g = insert(&c, 2, 0x22).unwrap();
+                    assert_eq!(g, f, "the old frame is the only free one");
+                    c.frames.put(g);
+                })
+            };
+            let after_ack = acked.load(crate::sync::Ordering::Acquire);
+            let got = copy(&c, f, &reader);
+            let (hdr, bytes) = (&got.hdr, &got.bytes);
+            if got.accepts(1) {
+                assert!(bytes.iter().all(|&b| b == 0x11), "torn copy {bytes:?}");
+                assert!(
+                    !after_ack,
+                    "old bytes accepted after the write's ack: {hdr:?} {bytes:?}"
+                );
+            }
+            if got.accepts(2) {
+                assert!(bytes.iter().all(|&b| b == 0x22), "wrong bytes {bytes:?}");
+            }
+            owner.join().unwrap();
+        });
+    }
 }
 
 /// A copy-on-write of page 3 races the eviction of page 3's current frame

@@ -151,6 +151,41 @@ fn remote_reads_across_processes() {
     tally.check();
 }
 
+/// An owner in this process: a cache of `frames` frames (no readahead) over
+/// `d/data`, its region in the shm memory `name` under `d`.
+fn in_process_owner(
+    d: &std::path::Path,
+    name: &str,
+    frames: usize,
+) -> (ShmOwner, PageCache<Lockless>, RegionDescriptor) {
+    let owner = ShmOwner::create_in(d, name).unwrap();
+    let region = owner
+        .register(PageCache::<Lockless>::region_len(PS, frames))
+        .unwrap();
+    let desc = region.descriptor();
+    let cache = PageCache::<Lockless>::open_on(
+        &d.join("data"),
+        CacheConfig {
+            frames,
+            readahead_max: 0,
+            ..Default::default()
+        },
+        Some(Box::new(region)),
+    )
+    .unwrap();
+    cache.set_epoch(desc.epoch);
+    (owner, cache, desc)
+}
+
+/// A plain (no chaos) shm connection to [`in_process_owner`]'s `name`.
+fn shm_connect(d: &std::path::Path, name: &str) -> ShmConnection {
+    let config = ShmConfig {
+        dir: Some(d.to_owned()),
+        chaos: None,
+    };
+    ShmConnection::connect(name, config).unwrap()
+}
+
 /// A reader's index cache stays bounded by the owner's frames, however many
 /// distinct pages it reads: it once kept every page it had ever read (2,048
 /// entries here, for an owner of 64 frames), so a client streaming a large
@@ -163,30 +198,8 @@ fn a_readers_index_cache_stays_bounded_by_the_owners_frames() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     pattern::generate_file(&d.join("data"), READ * PS as u64, PS).unwrap();
-    let owner = ShmOwner::create_in(d, "bounded").unwrap();
-    let region = owner
-        .register(PageCache::<Lockless>::region_len(PS, SMALL))
-        .unwrap();
-    let desc = region.descriptor();
-    let cache = PageCache::<Lockless>::open_on(
-        &d.join("data"),
-        CacheConfig {
-            frames: SMALL,
-            readahead_max: 0,
-            ..Default::default()
-        },
-        Some(Box::new(region)),
-    )
-    .unwrap();
-    cache.set_epoch(desc.epoch);
-    let conn = ShmConnection::connect(
-        "bounded",
-        ShmConfig {
-            dir: Some(d.to_owned()),
-            chaos: None,
-        },
-    )
-    .unwrap();
+    let (_owner, cache, desc) = in_process_owner(d, "bounded", SMALL);
+    let conn = shm_connect(d, "bounded");
     let mut reader = RemoteReader::connect(conn, desc, ReaderConfig::default()).unwrap();
     let mut buf = vec![0u8; PS];
     let mut hits = 0;
@@ -227,31 +240,9 @@ fn an_shm_reader_validates_by_generation_brackets_not_checksums() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     pattern::generate_file(&d.join("data"), SMALL as u64 * PS as u64, PS).unwrap();
-    let owner = ShmOwner::create_in(d, "brackets").unwrap();
-    let region = owner
-        .register(PageCache::<Lockless>::region_len(PS, SMALL))
-        .unwrap();
-    let desc = region.descriptor();
-    let cache = PageCache::<Lockless>::open_on(
-        &d.join("data"),
-        CacheConfig {
-            frames: SMALL,
-            readahead_max: 0,
-            ..Default::default()
-        },
-        Some(Box::new(region)),
-    )
-    .unwrap();
-    cache.set_epoch(desc.epoch);
+    let (_owner, cache, desc) = in_process_owner(d, "brackets", SMALL);
     let reader = |ordered_validation: bool| {
-        let conn = ShmConnection::connect(
-            "brackets",
-            ShmConfig {
-                dir: Some(d.to_owned()),
-                chaos: None,
-            },
-        )
-        .unwrap();
+        let conn = shm_connect(d, "brackets");
         assert!(pagewire_rdma::Connection::ordered_reads(&conn));
         let cfg = ReaderConfig {
             ordered_validation,
