@@ -7,16 +7,18 @@
 //! ARCHITECTURE.md, "Remote hit"), or, on a connection whose READs are
 //! ordered (`shm`), through [`RawHeader::validate_bracketed`]: a seqlock
 //! over the frame's generation, READ before and after the header and the
-//! frame, which spares the checksum (ARCHITECTURE.md, "Ordered readers"). Everything it reads from a bucket is a
-//! hint: a torn bucket or a chain changed under it can only cost a retry or
-//! a fallback, never a wrong byte, and an absent page is never taken as
-//! authoritative: the caller falls back to the owner.
+//! frame, which spares the checksum (ARCHITECTURE.md, "Ordered readers").
+//! Everything it reads from a bucket is a hint: a torn bucket or a chain
+//! changed under it can only cost a retry or a fallback, never a wrong
+//! byte, and an absent page is never taken as authoritative: the caller
+//! falls back to the owner.
 //!
 //! # The read of one page
 //!
 //! 1. **Warm** (the client-side index cache knows `page → (frame,
 //!    generation)`): READ the frame's header (64 B) and the frame
-//!    (`page_size` B), both posted under one doorbell: **one round trip**.
+//!    (`page_size` B), both posted under one doorbell (on an ordered
+//!    connection between two READs of the generation): **one round trip**.
 //!    Validate; on success the read is done.
 //! 2. **Cold, or the warm copy failed validation**: READ the page's head
 //!    bucket; scan its 3 slots for `page + 1`. Not there: follow the
