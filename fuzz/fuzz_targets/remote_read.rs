@@ -1,6 +1,7 @@
 //! The one-sided remote reader against a region whose bytes are the input
 //! (served over `shm`, the rest of the region zero): the superblock it
-//! checks at connect, the bucket chains it walks, the headers it validates.
+//! checks at connect, the bucket chains it walks, the headers it validates
+//! (by generation brackets or by checksum, as the input's length picks).
 //! A hit must be the bytes of the frame it names, as the region holds them.
 #![no_main]
 
@@ -18,6 +19,10 @@ fuzz_target!(|data: &[u8]| {
         max_hops: 16,
         backoff: Duration::ZERO,
         backoff_max: Duration::ZERO,
+        // Both validations, by the input: an ordered shm reader brackets
+        // each frame with its generation (no checksum), the other checks
+        // the checksum (as every tcp and verbs reader does).
+        ordered_validation: data.len() % 2 == 0,
     };
     let Ok(mut r) = RemoteReader::connect(t.connect(), t.descriptor(), cfg) else {
         return;
