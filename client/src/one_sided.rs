@@ -587,14 +587,14 @@ impl<C: Connection> RemoteReader<C> {
                     l.frame(f as usize) as u64,
                     taken[i].take().expect("each page once"),
                 );
-                push_frame_reads(
-                    &mut reads,
+                let (frame_reads, n) = frame_reads(
                     frame,
                     ordered.then(|| {
                         let before = gen_words.next().expect("two per frame");
                         (before, gen_words.next().expect("two per frame"))
                     }),
                 );
+                reads.extend(frame_reads.into_iter().take(n));
             }
             read_all(&mut self.conn, self.desc, &mut reads)?;
         }
@@ -649,10 +649,8 @@ impl<C: Connection> RemoteReader<C> {
         let ordered = self.ordered;
         let (mut header, mut gens) = ([0u8; LINE], [0u8; 16]);
         {
-            let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(4);
             let (before, after) = gens.split_at_mut(8);
-            push_frame_reads(
-                &mut reads,
+            let (mut reads, n) = frame_reads(
                 (
                     l.header(frame as usize) as u64,
                     &mut header[..],
@@ -661,7 +659,7 @@ impl<C: Connection> RemoteReader<C> {
                 ),
                 ordered.then_some((before, after)),
             );
-            read_all(&mut self.conn, self.desc, &mut reads)?;
+            read_all(&mut self.conn, self.desc, &mut reads[..n])?;
         }
         let bracket = ordered.then_some(&gens[..]);
         let ok = RawHeader::decode(&header).filter(|h| {
@@ -743,31 +741,39 @@ fn reads_per_frame(ordered: bool) -> usize {
     if ordered { 4 } else { 2 }
 }
 
-/// Appends the READs of one frame, `(header offset, header buffer, frame
-/// offset, frame buffer)`: on an ordered connection (`bracket`: two 8-byte
-/// buffers) bracketed by two READs of its generation word, a seqlock read
-/// (ARCHITECTURE.md, "Ordered readers"); else header and bytes alone, to be
-/// validated by checksum.
-fn push_frame_reads<'a>(
-    reads: &mut Vec<(u64, &'a mut [u8])>,
+/// The READs of one frame, `(header offset, header buffer, frame offset,
+/// frame buffer)`, in a fixed array (the first `n` are used, so a single
+/// frame's read needs no heap): on an ordered connection (`bracket`: two
+/// 8-byte buffers) bracketed by two READs of its generation word, a seqlock
+/// read (ARCHITECTURE.md, "Ordered readers"); else header and bytes alone,
+/// to be validated by checksum.
+fn frame_reads<'a>(
     (header_at, header, frame_at, frame): (u64, &'a mut [u8], u64, &'a mut [u8]),
     bracket: Option<(&'a mut [u8], &'a mut [u8])>,
-) {
+) -> ([(u64, &'a mut [u8]); 4], usize) {
     let generation_at = header_at + pagewire_layout::hdr::GENERATION as u64;
     match bracket {
-        Some((before, after)) => {
-            // In this order: the generation first (the READs after it see
-            // at least its incarnation's stores), the generation last (any
-            // store of a refill seen by the copies is seen by it too).
-            reads.push((generation_at, before));
-            reads.push((header_at, header));
-            reads.push((frame_at, frame));
-            reads.push((generation_at, after));
-        }
-        None => {
-            reads.push((header_at, header));
-            reads.push((frame_at, frame));
-        }
+        // In this order: the generation first (the READs after it see at
+        // least its incarnation's stores), the generation last (any store
+        // of a refill seen by the copies is seen by it too).
+        Some((before, after)) => (
+            [
+                (generation_at, before),
+                (header_at, header),
+                (frame_at, frame),
+                (generation_at, after),
+            ],
+            4,
+        ),
+        None => (
+            [
+                (header_at, header),
+                (frame_at, frame),
+                (0, &mut []),
+                (0, &mut []),
+            ],
+            2,
+        ),
     }
 }
 
