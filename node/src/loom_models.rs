@@ -419,6 +419,42 @@ fn ordered_copy(c: &Core<Lockless>, f: u32) -> Copied {
     }
 }
 
+/// The owner of the copy-on-write races: page 1 (0x11) cached in frame 0
+/// of a two-frame cache; a thread that writes page 1 (copy-on-write into
+/// frame 1, 0x12), acknowledges the write, and with `reuse` then reuses
+/// frame 0 for page 2 (0x22). Returns the cache, frame 0, the
+/// acknowledgement and the thread.
+fn cow_race(
+    reuse: bool,
+) -> (
+    Arc<Core<Lockless>>,
+    u32,
+    Arc<loom::sync::atomic::AtomicBool>,
+    thread::JoinHandle<()>,
+) {
+    let c = Arc::new(core(2));
+    let f = insert(&c, 1, 0x11).unwrap();
+    c.frames.put(f);
+    let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+    let owner = {
+        let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
+        thread::spawn(move || {
+            let n = c.frames.alloc().expect("second frame");
+            // SAFETY: `alloc` gave us the frame exclusively.
+            unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
+            c.publish_cow(1, n, PS as u32).unwrap();
+            // The acknowledgement (a reply on a socket in the daemon).
+            acked.store(true, crate::sync::Ordering::Release);
+            if reuse {
+                let g = insert(&c, 2, 0x22).unwrap();
+                assert_eq!(g, f, "the old frame is the only free one");
+                c.frames.put(g);
+            }
+        })
+    };
+    (c, f, acked, owner)
+}
+
 /// A remote reader holding a stale location of page 1 (frame 0) copies it,
 /// word by word in a chosen order or ordered, while the owner writes page 1
 /// (copy-on-write into frame 1) and acknowledges the write. A copy that
@@ -428,21 +464,7 @@ fn ordered_copy(c: &Core<Lockless>, f: u32) -> Copied {
 fn remote_copy_vs_cow() {
     for reader in readers() {
         builder().check(move || {
-            let c = Arc::new(core(2));
-            let f = insert(&c, 1, 0x11).unwrap();
-            c.frames.put(f);
-            let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
-            let writer = {
-                let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
-                thread::spawn(move || {
-                    let n = c.frames.alloc().expect("second frame");
-                    // SAFETY: `alloc` gave us the frame exclusively.
-                    unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
-                    c.publish_cow(1, n, PS as u32).unwrap();
-                    // The acknowledgement (a reply on a socket in the daemon).
-                    acked.store(true, crate::sync::Ordering::Release);
-                })
-            };
+            let (c, f, acked, writer) = cow_race(false);
             let after_ack = acked.load(crate::sync::Ordering::Acquire);
             let got = copy(&c, f, &reader);
             if got.accepts(1) {
@@ -502,23 +524,7 @@ fn remote_copy_vs_cow_and_reuse() {
     let order = vec![Byte(0), Byte(1), Checksum, Page, Generation, LenState];
     for reader in [Reader::Words(order), Reader::Ordered] {
         builder().check(move || {
-            let c = Arc::new(core(2));
-            let f = insert(&c, 1, 0x11).unwrap();
-            c.frames.put(f);
-            let acked = Arc::new(loom::sync::atomic::AtomicBool::new(false));
-            let owner = {
-                let (c, acked) = (Arc::clone(&c), Arc::clone(&acked));
-                thread::spawn(move || {
-                    let n = c.frames.alloc().expect("second frame");
-                    // SAFETY: `alloc` gave us the frame exclusively.
-                    unsafe { c.frames.region().fill(n, |b| b.fill(0x12)) };
-                    c.publish_cow(1, n, PS as u32).unwrap();
-                    acked.store(true, crate::sync::Ordering::Release);
-                    let g = insert(&c, 2, 0x22).unwrap();
-                    assert_eq!(g, f, "the old frame is the only free one");
-                    c.frames.put(g);
-                })
-            };
+            let (c, f, acked, owner) = cow_race(true);
             let after_ack = acked.load(crate::sync::Ordering::Acquire);
             let got = copy(&c, f, &reader);
             let (hdr, bytes) = (&got.hdr, &got.bytes);
