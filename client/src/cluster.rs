@@ -161,7 +161,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::latency::{LatencyHistogram, PathLatency, ReadPathLabel};
-use crate::pool::{OwnerPool, PoolConfig};
+use crate::pool::{OwnerPool, PoolConfig, RunOptions};
 use crate::slot::Padded;
 use attempt::Step;
 use flight::{Answer, Flights, Role};
@@ -170,7 +170,7 @@ use owner::NodeRpc;
 use pagewire_proto::auth::AttachToken;
 use pagewire_proto::v1::WriteRequest;
 use pagewire_rdma::tcp::ConnectionConfig;
-use routing::node_of;
+use routing::{node_of, reader_of, same_reader};
 
 /// Per-thread-slot counters of a [`ClusterClient`].
 #[derive(Default)]
@@ -469,6 +469,56 @@ impl ClusterClient {
             }
         }
         Ok(RunInfo { pages })
+    }
+
+    /// Whether the bytes a [`ClusterClient::read_run`] of pages `first..`
+    /// returned earlier (`pages`: its [`RunInfo::pages`]) are still every
+    /// page's content, checked without reading them again: each page must
+    /// still be answered by the node that gave it under the current map
+    /// (within its trust window), from the same incarnation of that node's
+    /// region, and the frame it was copied from must still hold the same
+    /// generation, one READ of its generation word per page, batched per
+    /// node ([`crate::RemoteReader::still_current`]). `true`: the copy is
+    /// what a read now would return, coherent with every write
+    /// acknowledged before this call. `false`: read the pages again; so
+    /// too for pages read over gRPC or served uncached (nothing to check
+    /// them by), and whenever the check itself fails (an unreachable
+    /// owner, an expired trust window): the read again reports the error.
+    pub fn still_current(&self, first: u64, pages: &[ReadInfo]) -> bool {
+        let deadline = Instant::now() + self.cfg.op_deadline;
+        self.with_snapshot(|snap| {
+            let Some(trust) = snap.trust_until else {
+                return false;
+            };
+            if !snap.trusted(crate::clock::now()) {
+                return false;
+            }
+            let opts = RunOptions {
+                trust_until: Some(trust),
+                map_epoch: snap.map.epoch,
+                deadline: Some(deadline),
+            };
+            let mut i = 0;
+            while i < pages.len() {
+                let at = first + i as u64;
+                let Ok((index, node)) = reader_of(&snap.map, at) else {
+                    return false;
+                };
+                let n = same_reader(&snap.map, at, pages.len() - i, index);
+                let mut copies = Vec::with_capacity(n);
+                for p in &pages[i..i + n] {
+                    match p.copy {
+                        Some(c) if p.owner == index => copies.push(c),
+                        _ => return false,
+                    }
+                }
+                if !matches!(self.pool.still_current(node, at, &copies, &opts), Ok(true)) {
+                    return false;
+                }
+                i += n;
+            }
+            true
+        })
     }
 
     /// Writes one page through the owner's gRPC `Write` (write-through:

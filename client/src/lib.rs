@@ -135,7 +135,7 @@ pub use cluster::{
     ReadPath, RunInfo, Transport, TransportChoice, Via, read_owner, trust_window, write_owner,
 };
 pub use one_sided::{Outcome, ReaderConfig, ReaderStats, RemoteError, RemoteReader};
-pub use pool::{OwnerPool, PageRead, PoolConfig, PoolError, PoolStats, RunOptions};
+pub use pool::{FrameCopy, OwnerPool, PageRead, PoolConfig, PoolError, PoolStats, RunOptions};
 
 /// The README's program, compiled as a doctest.
 #[doc = include_str!("../README.md")]

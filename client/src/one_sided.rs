@@ -351,6 +351,61 @@ impl<C: Connection> RemoteReader<C> {
         (self.locations.len(), self.locations.capacity())
     }
 
+    /// Whether each `(frame, generation)`, the frame and generation of a
+    /// copy this owner's region gave earlier (an [`Outcome::Hit`], or a
+    /// fault-in's location), is still that frame's live incarnation: one
+    /// READ of each frame's generation word, under one doorbell per
+    /// [`Connection::limits`] batch, each word equal to its `generation`.
+    ///
+    /// `true` means the earlier copies are the pages' content now, at the
+    /// instant each word was copied: an incarnation's page and bytes never
+    /// change while its generation is live (frames are refilled only after
+    /// `invalidate` moves the generation to an even value, and generations
+    /// never repeat in one region incarnation; a copy-on-write writes a new
+    /// frame), and a write acknowledged before this call invalidated the
+    /// old copy first, so the word would differ. That is the acceptance
+    /// rule of a warm read, which takes any odd generation of the page in
+    /// the cached frame, made stricter: the same generation, so the same
+    /// bytes. The word is one aligned 8-byte word, which the transports
+    /// copy whole, in any order with the others: each is checked alone.
+    /// Copies from another incarnation of the owner's region cannot be
+    /// checked here; the caller keeps them apart by region epoch.
+    ///
+    /// `false`: some frame moved on (or is out of range, or a generation is
+    /// not a live one): read the pages again. Errors are a read's (the
+    /// trust window checked before and after, as for a read).
+    pub fn still_current(&mut self, frames: &[(u32, u64)]) -> Result<bool, RemoteError> {
+        let l = self.sb.layout;
+        if frames
+            .iter()
+            .any(|&(f, g)| f as usize >= l.frame_count || g % 2 == 0)
+        {
+            return Ok(false);
+        }
+        self.check_lease()?;
+        let mut words = vec![0u8; frames.len() * 8];
+        let batch = self.conn.limits().max_outstanding.max(1);
+        for (chunk, buf) in frames.chunks(batch).zip(words.chunks_mut(batch * 8)) {
+            let mut reads: Vec<(u64, &mut [u8])> = chunk
+                .iter()
+                .zip(buf.chunks_exact_mut(8))
+                .map(|(&(f, _), w)| {
+                    let at = l.header(f as usize) + pagewire_layout::hdr::GENERATION;
+                    (at as u64, w)
+                })
+                .collect();
+            read_all(&mut self.conn, self.desc, &mut reads)?;
+            self.stats.round_trips += 1;
+        }
+        let same = frames
+            .iter()
+            .zip(words.chunks_exact(8))
+            .all(|(&(_, g), w)| u64::from_le_bytes(w.try_into().expect("8 bytes")) == g);
+        // The words are good only if the map still was when they arrived.
+        self.check_lease()?;
+        Ok(same)
+    }
+
     /// Read `page` into `out` (at least `page_size` bytes; the bytes past
     /// the page's valid length are zero).
     pub fn read_page(&mut self, page: u64, out: &mut [u8]) -> Result<Outcome, RemoteError> {

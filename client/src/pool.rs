@@ -169,6 +169,19 @@ pub struct PageRead {
     pub generation: u64,
     /// The page's valid length (the page size but for the file's last page).
     pub len: usize,
+    /// The owner's frame the copy is of, when it is one (a hit, or a page
+    /// the owner faulted in and cached): what
+    /// [`OwnerPool::still_current`] checks.
+    pub copy: Option<FrameCopy>,
+}
+
+/// The frame a copy was read from: which incarnation of the owner's
+/// region, which frame, which generation of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameCopy {
+    pub region_epoch: u64,
+    pub frame: u32,
+    pub generation: u64,
 }
 
 /// Why [`OwnerPool::read_into`] returned no bytes. Every case but
@@ -392,6 +405,55 @@ impl OwnerPool {
         }
     }
 
+    /// Whether copies `owner` gave earlier (a [`PageRead::copy`] each) are
+    /// still the pages' content: one READ of each frame's generation word
+    /// ([`crate::RemoteReader::still_current`]). `false` as well when a
+    /// copy is of another incarnation of the owner's region than the one
+    /// `owner` names now. Errors are a read's; the trust window in `opts`
+    /// bounds the check as it bounds a read; `first` is the first page
+    /// checked, named in errors.
+    pub fn still_current(
+        &self,
+        owner: &MapNode,
+        first: u64,
+        copies: &[FrameCopy],
+        opts: &RunOptions,
+    ) -> Result<bool, PoolError> {
+        let want = owner::region_epoch(owner);
+        if copies.iter().any(|c| Some(c.region_epoch) != want) {
+            return Ok(false);
+        }
+        if copies.is_empty() {
+            return Ok(true);
+        }
+        let slot = &self.slots[slot::thread_slot()];
+        let mut o = self.take(slot, owner)?;
+        o.reader.trust(opts.trust_until);
+        let frames: Vec<(u32, u64)> = copies.iter().map(|c| (c.frame, c.generation)).collect();
+        match o.reader.still_current(&frames) {
+            Ok(same) => {
+                self.put_back(slot, owner.index, o);
+                Ok(same)
+            }
+            Err(RemoteError::LeaseExpired(late)) => {
+                self.put_back(slot, owner.index, o);
+                Err(PoolError::LeaseExpired {
+                    node: owner.node_id.clone(),
+                    page: first,
+                    late,
+                })
+            }
+            Err(e) => {
+                self.retire(o);
+                Err(PoolError::Read {
+                    node: owner.node_id.clone(),
+                    page: first,
+                    reason: owner::chain(&e),
+                })
+            }
+        }
+    }
+
     /// Closes `conn`, keeping its counters.
     fn retire(&self, conn: OwnerConn) {
         lock(&self.retired).add(&conn.reader.stats());
@@ -586,13 +648,21 @@ impl OwnerPool {
             })?;
             let mut i = 0;
             while i < n {
-                if let Outcome::Hit { generation, .. } = outcomes[i] {
+                if let Outcome::Hit {
+                    frame, generation, ..
+                } = outcomes[i]
+                {
                     counters.one_sided.fetch_add(1, Ordering::Relaxed);
                     pages.push(PageRead {
                         fault_in: false,
                         transport,
                         generation,
                         len: valid(at + i as u64),
+                        copy: Some(FrameCopy {
+                            region_epoch: o.epoch,
+                            frame,
+                            generation,
+                        }),
                     });
                     i += 1;
                     continue;
@@ -637,18 +707,20 @@ impl OwnerPool {
                     dst[v..].fill(0);
                     off += v;
                     // A page the owner did not cache has no location.
-                    let generation = match *loc {
-                        Some((frame, generation)) => {
-                            o.reader.learn(page, frame, generation);
-                            generation
+                    let copy = loc.map(|(frame, generation)| {
+                        o.reader.learn(page, frame, generation);
+                        FrameCopy {
+                            region_epoch: o.epoch,
+                            frame,
+                            generation,
                         }
-                        None => 0,
-                    };
+                    });
                     pages.push(PageRead {
                         fault_in: true,
                         transport,
-                        generation,
+                        generation: copy.map_or(0, |c| c.generation),
                         len: v,
+                        copy,
                     });
                 }
                 for (k, &(frame, generation)) in f.ahead.iter().enumerate() {

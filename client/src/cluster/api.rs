@@ -99,6 +99,11 @@ pub struct ReadInfo {
     /// Another thread's read of the same run answered this one (a read
     /// that started after this one was asked for).
     pub coalesced: bool,
+    /// The owner's frame the bytes are a copy of (None for the gRPC `Read`
+    /// and for a page the owner served without caching it): what
+    /// [`ClusterClient::still_current`](super::ClusterClient::still_current)
+    /// checks.
+    pub copy: Option<crate::pool::FrameCopy>,
 }
 
 /// What a [`ClusterClient::read_run`](super::ClusterClient::read_run) took: one entry per page.

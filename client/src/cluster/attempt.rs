@@ -183,6 +183,7 @@ impl ClusterClient {
                         transport: Some(p.transport),
                         generation: p.generation,
                         coalesced: false,
+                        copy: p.copy,
                     })
                     .collect(),
             )),
@@ -248,6 +249,7 @@ impl ClusterClient {
                 transport: None,
                 generation,
                 coalesced: false,
+                copy: None,
             });
         }
         Ok((n, infos))

@@ -119,6 +119,10 @@ impl Reader {
         each!(self, r => r.learn(page, frame, generation));
     }
 
+    pub(crate) fn still_current(&mut self, frames: &[(u32, u64)]) -> Result<bool, RemoteError> {
+        each!(self, r => r.still_current(frames))
+    }
+
     pub(crate) fn trust(&mut self, until: Option<Instant>) {
         each!(self, r => r.set_trust(until));
     }
