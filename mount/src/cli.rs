@@ -57,6 +57,11 @@ struct Args {
     /// two more FUSE threads, and as many overflow workers).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
     workers: u32,
+    /// Do not read ahead of sequential readers (by default a read that
+    /// continues an earlier one has the next run read ahead, and that run
+    /// is used only after a check that no page of it changed since).
+    #[arg(long)]
+    no_read_ahead: bool,
     /// The directory to mount on.
     mountpoint: PathBuf,
 }
@@ -140,6 +145,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         writable: args.writable,
         deadline,
         workers: args.workers as usize,
+        read_ahead: !args.no_read_ahead,
     };
     let fs = PageFs::new(source, cfg).context("starting the workers")?;
 

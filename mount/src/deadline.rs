@@ -80,7 +80,7 @@ pub const SPARE_THREADS: usize = 2;
 type Work = Box<dyn FnOnce(&mut Vec<u8>) -> Result<Done, Errno> + Send>;
 
 /// Keep no more than a few runs' worth of buffer per thread.
-const KEEP_BUF: usize = 4 << 20;
+pub(crate) const KEEP_BUF: usize = 4 << 20;
 
 thread_local! {
     /// The buffer of requests run on this FUSE thread.
@@ -211,6 +211,12 @@ impl Dispatcher {
                 r.error(Errno::EIO);
             }
         }
+    }
+
+    /// Reads and writes running on FUSE threads now (the overflow queue's
+    /// are not counted).
+    pub(crate) fn busy(&self) -> usize {
+        self.busy.load(Ordering::Relaxed)
     }
 
     /// Requests answered with EIO by the watchdog so far.

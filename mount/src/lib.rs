@@ -37,6 +37,11 @@
 //!   process, so two partial writes of one page through this mount do not
 //!   lose each other's bytes; writers in other processes or on other hosts
 //!   are not ordered with them (mount/README.md, "Writes").
+//! * **read-ahead** (on unless `--no-read-ahead`): a read that starts
+//!   where an earlier one ended has the next run of its length read on a
+//!   read-ahead thread; that run answers the next read only if every page's
+//!   frame still holds the generation it was copied at, one 8-byte READ
+//!   per page ([`prefetch`]).
 //! * Consistency ([`Consistency`]): direct I/O by default (no page cache,
 //!   every read asks the cluster), or the kernel page cache with a bound
 //!   on the age of cached pages.
@@ -59,12 +64,14 @@ pub mod cli;
 pub mod deadline;
 pub mod fs;
 pub mod mountpoint;
+pub mod prefetch;
 pub(crate) mod range;
 pub mod source;
 
 use std::time::Duration;
 
 pub use fs::PageFs;
+pub use prefetch::PrefetchStats;
 pub use source::{Source, SourceError};
 
 /// The largest read or write the kernel sends in one request (bytes).
@@ -95,6 +102,9 @@ pub struct MountConfig {
     /// this many plus [`deadline::SPARE_THREADS`] FUSE threads), and the
     /// number of overflow workers for requests beyond them.
     pub workers: usize,
+    /// Read ahead of sequential readers, each run checked before use
+    /// ([`prefetch`]).
+    pub read_ahead: bool,
 }
 
 impl Default for MountConfig {
@@ -105,6 +115,7 @@ impl Default for MountConfig {
             writable: false,
             deadline: Duration::from_secs(10),
             workers: 16,
+            read_ahead: true,
         }
     }
 }

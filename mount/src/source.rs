@@ -2,7 +2,7 @@
 //! process's one shared [`ClusterClient`] and turns its errors into what a
 //! FUSE reply can carry.
 
-use pagewire_client::{ClientError, ClusterClient};
+use pagewire_client::{ClientError, ClusterClient, ReadInfo};
 
 /// The cluster's file, in pages: one per process, shared by every worker.
 pub struct Source {
@@ -43,6 +43,11 @@ impl Source {
         self.file_size
     }
 
+    /// The file's size in pages.
+    pub fn file_pages(&self) -> u64 {
+        self.client.file_pages()
+    }
+
     /// The valid length of `page` (`page_size`, less for a partial last page).
     pub fn page_len(&self, page: u64) -> usize {
         let start = page.saturating_mul(self.page_size as u64);
@@ -55,8 +60,26 @@ impl Source {
     /// page_size` bytes; each page's valid length, then zeros), as one
     /// batched run.
     pub fn read_run(&self, first: u64, count: usize, out: &mut [u8]) -> Result<(), SourceError> {
-        self.client.read_run(first, count, out)?;
+        self.read_run_info(first, count, out)?;
         Ok(())
+    }
+
+    /// [`Source::read_run`], saying how each page was read (what
+    /// [`Source::still_current`] checks later).
+    pub fn read_run_info(
+        &self,
+        first: u64,
+        count: usize,
+        out: &mut [u8],
+    ) -> Result<Vec<ReadInfo>, SourceError> {
+        Ok(self.client.read_run(first, count, out)?.pages)
+    }
+
+    /// Whether the bytes a [`Source::read_run_info`] of pages `first..`
+    /// returned (`pages`) are still what a read would return now
+    /// ([`ClusterClient::still_current`]).
+    pub fn still_current(&self, first: u64, pages: &[ReadInfo]) -> bool {
+        self.client.still_current(first, pages)
     }
 
     /// Writes `page` whole (`data` is its valid length) through its owner;
