@@ -8,7 +8,10 @@
 //!   read), and a do-nothing FUSE file system answering zeros from memory
 //!   ([`zerofs`]: the floor of any FUSE file system here). `shm-noverify`
 //!   and `local-noverify` are the same reads without fio's verification,
-//!   so its cost shows beside them.
+//!   so its cost shows beside them; `tcp-noahead` is `tcp` through a
+//!   third mount started with `--no-read-ahead`, so what the mount's
+//!   read-ahead of sequential readers (on for runs that come over the
+//!   network) is worth shows too.
 //! * Jobs: 4 KiB random reads and 1 MiB sequential reads at queue depth 1
 //!   and 16, fio's `psync` engine; depth 16 is 16 jobs ([`fio`]).
 //! * Verification: the backing file is written by fio with a crc32c verify
@@ -77,11 +80,13 @@ pub struct Args {
     pub file_mib: u64,
     /// Paths, comma-separated: shm, tcp (through pagewire-mount), local
     /// (the backing file), zero (the do-nothing FUSE file system),
-    /// shm-noverify, local-noverify (without fio's verification).
+    /// shm-noverify, local-noverify (without fio's verification),
+    /// tcp-noahead (tcp through a mount that does not read ahead: what
+    /// read-ahead is worth).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "shm,tcp,local,zero,shm-noverify,local-noverify"
+        default_value = "shm,tcp,local,zero,shm-noverify,local-noverify,tcp-noahead"
     )]
     pub paths: Vec<String>,
     /// Jobs, comma-separated: rand4k-qd1, rand4k-qd16, seq1m-qd1,
@@ -117,16 +122,19 @@ enum Via {
     Zero,
     ShmNoVerify,
     LocalNoVerify,
+    /// tcp, verified, through a mount started with `--no-read-ahead`.
+    TcpNoAhead,
 }
 
 impl Via {
-    const ALL: [Via; 6] = [
+    const ALL: [Via; 7] = [
         Via::Shm,
         Via::Tcp,
         Via::Local,
         Via::Zero,
         Via::ShmNoVerify,
         Via::LocalNoVerify,
+        Via::TcpNoAhead,
     ];
 
     fn key(self) -> &'static str {
@@ -137,12 +145,14 @@ impl Via {
             Via::Zero => "zero",
             Via::ShmNoVerify => "shm-noverify",
             Via::LocalNoVerify => "local-noverify",
+            Via::TcpNoAhead => "tcp-noahead",
         }
     }
 
     fn path(self) -> &'static str {
         match self {
             Via::Shm | Via::Tcp | Via::ShmNoVerify => "mount",
+            Via::TcpNoAhead => "mount-noahead",
             Via::Local | Via::LocalNoVerify => "local",
             Via::Zero => "zero-fuse",
         }
@@ -151,14 +161,24 @@ impl Via {
     fn transport(self) -> &'static str {
         match self {
             Via::Shm | Via::ShmNoVerify => "shm",
-            Via::Tcp => "tcp",
+            Via::Tcp | Via::TcpNoAhead => "tcp",
             Via::Local | Via::LocalNoVerify => "page cache",
             Via::Zero => "-",
         }
     }
 
+    /// The mount a cell reads through: its transport, and whether it
+    /// reads ahead.
+    fn mount(self) -> Option<(&'static str, bool)> {
+        matches!(
+            self,
+            Via::Shm | Via::Tcp | Via::ShmNoVerify | Via::TcpNoAhead
+        )
+        .then(|| (self.transport(), self != Via::TcpNoAhead))
+    }
+
     fn verify(self) -> bool {
-        matches!(self, Via::Shm | Via::Tcp | Via::Local)
+        matches!(self, Via::Shm | Via::Tcp | Via::Local | Via::TcpNoAhead)
     }
 }
 
@@ -215,7 +235,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
     for p in &a.paths {
         if !Via::ALL.iter().any(|v| v.key() == p) {
             bail!(
-                "--paths: unknown path {p:?} (shm, tcp, local, zero, shm-noverify, local-noverify)"
+                "--paths: unknown path {p:?} (shm, tcp, local, zero, shm-noverify, local-noverify, tcp-noahead)"
             );
         }
     }
@@ -257,12 +277,9 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         t.elapsed()
     );
 
-    let mounts_needed: Vec<&'static str> = ["shm", "tcp"]
+    let mounts_needed: Vec<(&'static str, bool)> = [("shm", true), ("tcp", true), ("tcp", false)]
         .into_iter()
-        .filter(|t| {
-            vias.iter()
-                .any(|v| v.path() == "mount" && v.transport() == *t)
-        })
+        .filter(|m| vias.iter().any(|v| v.mount() == Some(*m)))
         .collect();
 
     // Declared in this order so that they drop in the reverse one: the
@@ -304,17 +321,21 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
             "mount: cluster of 3 nodes up, {warmed} pages faulted in, in {:.1?}",
             t.elapsed()
         );
-        for transport in &mounts_needed {
-            let dir = work.join(format!("mnt-{transport}"));
+        for &(transport, read_ahead) in &mounts_needed {
+            let name = match read_ahead {
+                true => transport.to_owned(),
+                false => format!("{transport}-noahead"),
+            };
+            let dir = work.join(format!("mnt-{name}"));
             std::fs::create_dir_all(&dir)?;
             let m = PwMount::start(
                 &mount_bin,
                 &c.spec.coordinator_addr(),
                 &token_file,
-                transport,
+                (transport, read_ahead),
                 a.workers,
                 &dir,
-                &work.join(format!("mount-{transport}.log")),
+                &work.join(format!("mount-{name}.log")),
                 size,
             )?;
             mounts.push(m);
@@ -380,12 +401,12 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
                 _ => {
                     let m = mounts
                         .iter()
-                        .find(|m| m.transport == via.transport())
+                        .find(|m| via.mount() == Some((m.transport, m.read_ahead)))
                         .context("mount")?;
                     (m.file(), Some(m.child.id()))
                 }
             };
-            let nodes = if via.path() == "mount" {
+            let nodes = if via.mount().is_some() {
                 &node_pids[..]
             } else {
                 &[]
@@ -425,7 +446,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         "engine": "psync (pread); queue depth 16 = numjobs=16, each job its own 1/16 of the file; no O_DIRECT (the mounts open the file with FOPEN_DIRECT_IO themselves, the local file is read through the page cache)",
         "verification": "crc32c header in every 4 KiB block, written by fio; verified rows check every block of every read inside the timed job (--verify=crc32c --verify_interval=4096 --continue_on_error=verify), wrong reads counted from fio's JSON and stderr; the *-noverify rows are the same reads unverified, the cost of verification",
         "cluster": "1 coordinator + 3 nodes on loopback, frames per node = the file's pages, warmed (coordinator Warm) and read whole through each mount before measuring",
-        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, {} FUSE threads running reads themselves)", a.workers, fuse_threads(a.workers)),
+        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, read-ahead of sequential readers, checked before use; the mount-noahead rows: --no-read-ahead; {} FUSE threads running reads themselves)", a.workers, fuse_threads(a.workers)),
         "zero_fs": format!("fuser 0.18 in this process: same mount options and init as pagewire-mount, FOPEN_DIRECT_IO, {} FUSE threads with cloned fds (as many as the mount's); reads answered with zeros on the FUSE thread", fuse_threads(a.workers)),
         "fio_version": fio_version(&a.fio),
         "fio_example": Job::ALL.iter().map(|j| format!("{} {}", a.fio, j.args(Path::new("MOUNT/data"), size, a.seconds, true).join(" "))).collect::<Vec<_>>(),

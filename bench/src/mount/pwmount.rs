@@ -78,6 +78,8 @@ pub(super) struct PwMount {
     pub(super) dir: PathBuf,
     pub(super) log: PathBuf,
     pub(super) transport: &'static str,
+    /// Started without `--no-read-ahead`.
+    pub(super) read_ahead: bool,
 }
 
 impl PwMount {
@@ -86,7 +88,7 @@ impl PwMount {
         bin: &Path,
         coordinator: &str,
         token_file: &Path,
-        transport: &'static str,
+        (transport, read_ahead): (&'static str, bool),
         workers: u32,
         dir: &Path,
         log: &Path,
@@ -99,6 +101,7 @@ impl PwMount {
             .arg(token_file)
             .args(["--transport", transport])
             .args(["--workers", &workers.to_string()])
+            .args((!read_ahead).then_some("--no-read-ahead"))
             .arg(dir)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -113,6 +116,7 @@ impl PwMount {
             dir: dir.to_owned(),
             log: log.to_owned(),
             transport,
+            read_ahead,
         };
         let file = m.file();
         wait_for_file(&file, size, Duration::from_secs(60), || m.check_alive())?;
