@@ -112,9 +112,12 @@ fn a_run_read_ahead_is_checked_against_writes_acknowledged_before_the_read() {
     // reached it first (then it read the run itself); the untouched ones
     // were used.
     assert!(
-        stale >= 1 && stale <= written,
+        (stale >= 1 || used == 0) && stale <= written,
         "{stale} runs read ahead were stale, {written} written: {line}"
     );
-    assert!(used >= 1, "no run read ahead was used: {line}");
+    // The mount reads ahead only with a core to spare beside the read.
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+        assert!(used >= 1, "no run read ahead was used: {line}");
+    }
     eprintln!("COVERED read-ahead vs writes: {:?}", t0.elapsed());
 }
