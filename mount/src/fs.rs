@@ -8,7 +8,7 @@
 
 use std::ffi::OsStr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
@@ -311,7 +311,6 @@ impl Filesystem for PageFs {
             offset,
             len: u64::from(size),
         };
-        let deadline = Instant::now() + self.inner.cfg.deadline;
         self.inner
             .dispatch
             .run(what, Reply::Data(reply), move |buf: &mut Vec<u8>| {
@@ -325,7 +324,8 @@ impl Filesystem for PageFs {
                         // core serving a request it only adds work (1 MiB
                         // reads at depth 16 on 2 cores lost 11% with it).
                         let spare = inner.dispatch.busy() < inner.cores;
-                        ahead.read(span.first, span.count, buf, deadline, spare)
+                        let wait = inner.cfg.deadline / 2;
+                        ahead.read(span.first, span.count, buf, wait, spare)
                     }
                     None => {
                         let need = span.count * ps;

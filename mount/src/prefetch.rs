@@ -28,13 +28,14 @@
 //! * `spare`: buffers handed back by readers, reused for the next runs
 //!   (a fresh 1 MiB buffer costs its page faults).
 //!
-//! A reader that finds its run `Reading` waits for it, at most until its
-//! own deadline less a margin; a run `Queued` it takes over at once.
+//! A reader that finds its run `Reading` waits for it, at most half the
+//! mount's deadline (the other half is left for reading the run itself);
+//! a run `Queued` it takes over at once.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pagewire_client::{ReadInfo, Transport, Via};
 use tracing::debug;
@@ -152,20 +153,19 @@ impl Prefetcher {
     /// size, never shrunk): from the run read ahead when there is one and
     /// it is still current, else from the cluster. Then, if the read
     /// continued an earlier one and `ahead` allows, queues the run after
-    /// it. `deadline`: when
-    /// the request must be answered (a wait for a run being read ahead
-    /// ends well before it).
+    /// it. `wait`: the longest a read waits for a run being read ahead
+    /// (then it reads the run itself).
     pub(crate) fn read(
         &self,
         first: u64,
         count: usize,
         buf: &mut Vec<u8>,
-        deadline: Instant,
+        wait: Duration,
         ahead: bool,
     ) -> Result<(), crate::SourceError> {
         let s = &self.shared;
         let need = count * s.source.page_size();
-        let taken = self.take(first, count, deadline);
+        let taken = self.take(first, count, wait);
         let sequential = taken.is_some() || s.continues(first, first + count as u64);
         let mut read = None;
         if let Some((mut ahead, pages)) = taken {
@@ -210,12 +210,7 @@ impl Prefetcher {
     /// The run `first..+count` read ahead, out of the table: its buffer
     /// and how each page was read. None when there is none, it failed, or
     /// it was still queued (then claimed: the caller reads it).
-    fn take(
-        &self,
-        first: u64,
-        count: usize,
-        deadline: Instant,
-    ) -> Option<(Vec<u8>, Vec<ReadInfo>)> {
+    fn take(&self, first: u64, count: usize, wait: Duration) -> Option<(Vec<u8>, Vec<ReadInfo>)> {
         let s = &self.shared;
         let ahead = {
             let mut t = lock(&s.table);
@@ -224,9 +219,7 @@ impl Prefetcher {
                 .position(|a| a.first == first && a.count == count)?;
             t.remove(i)?
         };
-        // Leave a margin of the request's time for reading the run itself.
-        let left = deadline.saturating_duration_since(Instant::now());
-        let until = Instant::now() + left / 2;
+        let mut until = None;
         let mut st = ahead.lock();
         loop {
             match std::mem::replace(&mut *st, State::Claimed) {
@@ -236,8 +229,9 @@ impl Prefetcher {
                 }
                 State::Reading => {
                     *st = State::Reading;
-                    let wait = until.saturating_duration_since(Instant::now());
-                    if wait.is_zero() {
+                    let until = *until.get_or_insert_with(|| Instant::now() + wait);
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
                         // Slow: read it here; the read-ahead thread drops
                         // its result.
                         *st = State::Claimed;
@@ -245,7 +239,7 @@ impl Prefetcher {
                     }
                     st = ahead
                         .done
-                        .wait_timeout(st, wait)
+                        .wait_timeout(st, left)
                         .unwrap_or_else(|e| e.into_inner())
                         .0;
                 }
