@@ -386,13 +386,25 @@ impl OwnerPool {
         if count == 0 {
             return Ok(Vec::new());
         }
+        self.with_reader(owner, |slot, o| {
+            self.read_with(slot, o, owner, first, count, out, opts)
+        })
+    }
+
+    /// Runs `f` on an idle reader of `owner` (this thread's slot first,
+    /// [`OwnerPool::take`]); puts the reader back after, unless `f` failed
+    /// saying it must be closed (`(false, _)`).
+    fn with_reader<T>(
+        &self,
+        owner: &MapNode,
+        f: impl FnOnce(&Slot, &mut OwnerConn) -> Result<T, (bool, PoolError)>,
+    ) -> Result<T, PoolError> {
         let slot = &self.slots[slot::thread_slot()];
         let mut o = self.take(slot, owner)?;
-        let r = self.read_with(slot, &mut o, owner, first, count, out, opts);
-        match r {
-            Ok(pages) => {
+        match f(slot, &mut o) {
+            Ok(v) => {
                 self.put_back(slot, owner.index, o);
-                Ok(pages)
+                Ok(v)
             }
             Err((keep, e)) => {
                 if keep {
@@ -426,32 +438,13 @@ impl OwnerPool {
         if copies.is_empty() {
             return Ok(true);
         }
-        let slot = &self.slots[slot::thread_slot()];
-        let mut o = self.take(slot, owner)?;
-        o.reader.trust(opts.trust_until);
         let frames: Vec<(u32, u64)> = copies.iter().map(|c| (c.frame, c.generation)).collect();
-        match o.reader.still_current(&frames) {
-            Ok(same) => {
-                self.put_back(slot, owner.index, o);
-                Ok(same)
-            }
-            Err(RemoteError::LeaseExpired(late)) => {
-                self.put_back(slot, owner.index, o);
-                Err(PoolError::LeaseExpired {
-                    node: owner.node_id.clone(),
-                    page: first,
-                    late,
-                })
-            }
-            Err(e) => {
-                self.retire(o);
-                Err(PoolError::Read {
-                    node: owner.node_id.clone(),
-                    page: first,
-                    reason: owner::chain(&e),
-                })
-            }
-        }
+        self.with_reader(owner, |_, o| {
+            o.reader.trust(opts.trust_until);
+            o.reader
+                .still_current(&frames)
+                .map_err(|e| reader_failed(owner, first, e))
+        })
     }
 
     /// Closes `conn`, keeping its counters.
@@ -626,26 +619,7 @@ impl OwnerPool {
             } else {
                 o.reader.read_run(at, n, buf)
             };
-            let outcomes = outcomes.map_err(|e| match e {
-                RemoteError::LeaseExpired(late) => (
-                    true,
-                    PoolError::LeaseExpired {
-                        node: owner.node_id.clone(),
-                        page: at,
-                        late,
-                    },
-                ),
-                // Stale descriptor (owner restarted) or a lost connection:
-                // the reader goes; the caller retries with a fresh map.
-                e => (
-                    false,
-                    PoolError::Read {
-                        node: owner.node_id.clone(),
-                        page: at,
-                        reason: owner::chain(&e),
-                    },
-                ),
-            })?;
+            let outcomes = outcomes.map_err(|e| reader_failed(owner, at, e))?;
             let mut i = 0;
             while i < n {
                 if let Outcome::Hit {
@@ -735,6 +709,31 @@ impl OwnerPool {
         }
         o.stream.end(first + count as u64);
         Ok(pages)
+    }
+}
+
+/// A reader's error at `page` of `owner` as the pool reports it, and
+/// whether the reader still works (`true`: only the trust window ran out).
+fn reader_failed(owner: &MapNode, page: u64, e: RemoteError) -> (bool, PoolError) {
+    match e {
+        RemoteError::LeaseExpired(late) => (
+            true,
+            PoolError::LeaseExpired {
+                node: owner.node_id.clone(),
+                page,
+                late,
+            },
+        ),
+        // Stale descriptor (owner restarted) or a lost connection: the
+        // reader goes; the caller retries with a fresh map.
+        e => (
+            false,
+            PoolError::Read {
+                node: owner.node_id.clone(),
+                page,
+                reason: owner::chain(&e),
+            },
+        ),
     }
 }
 
