@@ -164,15 +164,20 @@ pub struct PageRead {
     /// The transport of the reader (for a `FaultIn`, whose miss sent the
     /// read to the owner).
     pub transport: Transport,
-    /// The frame generation of the copy read (0: the owner served the page
-    /// without caching it).
-    pub generation: u64,
     /// The page's valid length (the page size but for the file's last page).
     pub len: usize,
     /// The owner's frame the copy is of, when it is one (a hit, or a page
     /// the owner faulted in and cached): what
     /// [`OwnerPool::still_current`] checks.
     pub copy: Option<FrameCopy>,
+}
+
+impl PageRead {
+    /// The frame generation of the copy read (0: the owner served the page
+    /// without caching it).
+    pub fn generation(&self) -> u64 {
+        self.copy.map_or(0, |c| c.generation)
+    }
 }
 
 /// The frame a copy was read from: which incarnation of the owner's
@@ -630,7 +635,6 @@ impl OwnerPool {
                     pages.push(PageRead {
                         fault_in: false,
                         transport,
-                        generation,
                         len: valid(at + i as u64),
                         copy: Some(FrameCopy {
                             region_epoch: o.epoch,
@@ -692,7 +696,6 @@ impl OwnerPool {
                     pages.push(PageRead {
                         fault_in: true,
                         transport,
-                        generation: copy.map_or(0, |c| c.generation),
                         len: v,
                         copy,
                     });

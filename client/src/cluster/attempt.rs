@@ -181,7 +181,7 @@ impl ClusterClient {
                         owner: index,
                         attempts: 1,
                         transport: Some(p.transport),
-                        generation: p.generation,
+                        generation: p.generation(),
                         coalesced: false,
                         copy: p.copy,
                     })

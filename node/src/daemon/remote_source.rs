@@ -58,7 +58,7 @@ impl PageSource for OwnerPool {
                 })?;
         Ok(Sourced {
             data,
-            generations: pages.iter().map(|p| p.generation).collect(),
+            generations: pages.iter().map(|p| p.generation()).collect(),
             faulted_in: pages.iter().any(|p| p.fault_in),
         })
     }
