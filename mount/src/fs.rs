@@ -314,10 +314,8 @@ impl Filesystem for PageFs {
         self.inner
             .dispatch
             .run(what, Reply::Data(reply), move |buf: &mut Vec<u8>| {
-                // read_run writes every byte of the run (each page's valid
-                // length, zeros past it): grow the thread's buffer, never
-                // clear it (zeroing 1 MiB per read was 8% of a sequential
-                // reader's CPU).
+                // Into the thread's buffer, grown and never cleared
+                // (`Source::read_run_into`).
                 let r = match &inner.ahead {
                     Some(ahead) => {
                         // Read ahead only with a core to spare: with every
@@ -327,15 +325,10 @@ impl Filesystem for PageFs {
                         let wait = inner.cfg.deadline / 2;
                         ahead.read(span.first, span.count, buf, wait, spare)
                     }
-                    None => {
-                        let need = span.count * ps;
-                        if buf.len() < need {
-                            buf.resize(need, 0);
-                        }
-                        inner
-                            .source
-                            .read_run(span.first, span.count, &mut buf[..need])
-                    }
+                    None => inner
+                        .source
+                        .read_run_into(span.first, span.count, buf)
+                        .map(drop),
                 };
                 match r {
                     Ok(()) => Ok(Done::Data(span.skip..span.skip + span.len)),

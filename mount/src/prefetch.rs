@@ -164,7 +164,6 @@ impl Prefetcher {
         ahead: bool,
     ) -> Result<(), crate::SourceError> {
         let s = &self.shared;
-        let need = count * s.source.page_size();
         let taken = self.take(first, count, wait);
         let sequential = taken.is_some() || s.continues(first, first + count as u64);
         let mut read = None;
@@ -180,12 +179,7 @@ impl Prefetcher {
         }
         let pages = match read {
             Some(pages) => pages,
-            None => {
-                if buf.len() < need {
-                    buf.resize(need, 0);
-                }
-                s.source.read_run_info(first, count, &mut buf[..need])?
-            }
+            None => s.source.read_run_into(first, count, buf)?,
         };
         if sequential && ahead && pages.iter().any(worth_reading_ahead) {
             self.queue(first + count as u64, count);
@@ -315,14 +309,10 @@ impl Shared {
             }
             *st = State::Reading;
         }
-        let need = ahead.count * self.source.page_size();
         let mut buf = lock(&self.spare).pop().unwrap_or_default();
-        if buf.len() < need {
-            buf.resize(need, 0);
-        }
         let r = self
             .source
-            .read_run_info(ahead.first, ahead.count, &mut buf[..need]);
+            .read_run_into(ahead.first, ahead.count, &mut buf);
         bump(&self.counters.read);
         let mut st = ahead.lock();
         if !matches!(*st, State::Reading) {
