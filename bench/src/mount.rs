@@ -322,10 +322,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
             t.elapsed()
         );
         for &(transport, read_ahead) in &mounts_needed {
-            let name = match read_ahead {
-                true => transport.to_owned(),
-                false => format!("{transport}-noahead"),
-            };
+            let name = pwmount::name(transport, read_ahead);
             let dir = work.join(format!("mnt-{name}"));
             std::fs::create_dir_all(&dir)?;
             let m = PwMount::start(
@@ -358,7 +355,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         warm.push(read_compare(
             &m.file(),
             &backing,
-            &format!("mount {}", m.transport),
+            &format!("mount {}", m.name()),
         )?);
     }
     for w in &warm {

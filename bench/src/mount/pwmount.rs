@@ -82,6 +82,15 @@ pub(super) struct PwMount {
     pub(super) read_ahead: bool,
 }
 
+/// A mount's name: its transport, with `-noahead` for one without
+/// read-ahead.
+pub(super) fn name(transport: &str, read_ahead: bool) -> String {
+    match read_ahead {
+        true => transport.to_owned(),
+        false => format!("{transport}-noahead"),
+    }
+}
+
 impl PwMount {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
@@ -123,6 +132,11 @@ impl PwMount {
         Ok(m)
     }
 
+    /// Its name in folders, logs and messages ([`name`]).
+    pub(super) fn name(&self) -> String {
+        name(self.transport, self.read_ahead)
+    }
+
     pub(super) fn file(&self) -> PathBuf {
         self.dir.join("data")
     }
@@ -132,8 +146,8 @@ impl PwMount {
             let log = std::fs::read_to_string(&self.log).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(15).collect();
             bail!(
-                "pagewire-mount --transport {} exited ({st}):\n{}",
-                self.transport,
+                "pagewire-mount {} exited ({st}):\n{}",
+                self.name(),
                 tail.into_iter().rev().collect::<Vec<_>>().join("\n")
             );
         }
