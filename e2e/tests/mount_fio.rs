@@ -43,6 +43,14 @@ fn fio_randread(path: &Path, size: u64) -> String {
     )
 }
 
+/// [`fio_randread`] for `secs` seconds however fast the reads are (each
+/// job starts its slice again when it has read it all; every block read
+/// is verified): one pass of the file took under a second in a release
+/// build, and so ended before the kill it was meant to overlap.
+fn fio_randread_for(path: &Path, size: u64, secs: u32) -> String {
+    format!("{} --time_based --runtime={secs}", fio_randread(path, size))
+}
+
 /// Sequential 1 MiB reads by 4 jobs, the 4k blocks in each verified.
 fn fio_seqread(path: &Path, size: u64) -> String {
     format!(
@@ -136,7 +144,9 @@ fn fio_verifies_every_block_while_a_node_is_killed_and_restarted() {
     let t0 = Instant::now();
     let mut cluster = Cluster::start(3, 2048, 1000, |p| fio_write(p, SIZE));
     let m = Mount::start(&cluster, "mnt", &[]);
-    let cmd = fio_randread(&m.file(), SIZE);
+    // Killed at 1 s, restarted at 2.5 s: 5 s of reads cover both and the
+    // rejoin after them.
+    let cmd = fio_randread_for(&m.file(), SIZE, 5);
     let fio = std::thread::spawn(move || {
         let t = Instant::now();
         (fio_ok(&cmd, Duration::from_secs(120)), t.elapsed())
@@ -144,7 +154,7 @@ fn fio_verifies_every_block_while_a_node_is_killed_and_restarted() {
     std::thread::sleep(Duration::from_millis(1000));
     assert!(
         !fio.is_finished(),
-        "fio finished before the kill; make it longer"
+        "fio finished before the kill: it was to run 5 s"
     );
     cluster.node("n2").kill9();
     let killed = Instant::now();
