@@ -9,16 +9,17 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::deadline::SPARE_THREADS;
+use crate::revalidate::Invalidate;
 use crate::{Consistency, MAX_READ, MountConfig, PageFs, Source, fs::FILE, mountpoint};
 use anyhow::Context;
 use clap::Parser;
 use fuser::{MountOption, Session};
 use pagewire_client::{ClientConfig, ClusterClient, FollowerConfig, MapFollower, TransportChoice};
 use pagewire_proto::net::ClientTls;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// Mounts the pagewire cluster's file as MOUNTPOINT/NAME.
 #[derive(Parser, Debug)]
@@ -39,8 +40,9 @@ struct Args {
     /// The name their TLS certificates are checked against.
     #[arg(long, value_name = "D", requires = "tls_ca")]
     tls_domain: Option<String>,
-    /// Let the kernel cache pages, attributes and the entry; cached pages
-    /// are dropped every SECS seconds (default: direct I/O, no page cache).
+    /// Let the kernel cache pages, attributes and the entry; every SECS
+    /// seconds the cached runs are checked and those that changed dropped
+    /// (default: direct I/O, no page cache).
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=86_400))]
     cached: Option<u64>,
     /// Allow writes (write-through to the cluster's backing file).
@@ -147,7 +149,8 @@ fn run(args: Args) -> anyhow::Result<()> {
         workers: args.workers as usize,
         read_ahead: !args.no_read_ahead,
     };
-    let fs = PageFs::new(source, cfg).context("starting the workers")?;
+    let fs = PageFs::new(source.clone(), cfg).context("starting the workers")?;
+    let revalidator = fs.revalidator();
 
     let mut options = vec![
         MountOption::FSName("pagewire".into()),
@@ -223,16 +226,37 @@ fn run(args: Args) -> anyhow::Result<()> {
                     }
                     Err(e) => warn!("cannot stat the mount {}: {e}", mp.display()),
                 }
-                if let Consistency::Cached(every) = consistency {
+                if let (Consistency::Cached(every), Some(revalidator)) = (consistency, revalidator) {
+                    let ps = source.page_size() as u64;
                     loop {
                         std::thread::sleep(every);
-                        // Offset 0, length 0: every cached page of the file.
-                        if let Err(e) = notifier.inval_inode(FILE, 0, 0) {
-                            // ENOENT: the kernel holds no inode (nothing cached).
-                            if e.raw_os_error() != Some(libc::ENOENT) {
-                                warn!("dropping the file's cached pages: {e}");
-                            }
-                        }
+                        let started = Instant::now();
+                        revalidator.tick(
+                            |first, pages| source.still_current(first, pages),
+                            |what| {
+                                // Offset 0, length 0: every cached page of the file.
+                                let (offset, len) = match what {
+                                    Invalidate::Run { first, count } => (first * ps, count * ps),
+                                    Invalidate::All => (0, 0),
+                                };
+                                let r = notifier.inval_inode(
+                                    FILE,
+                                    i64::try_from(offset).unwrap_or(i64::MAX),
+                                    i64::try_from(len).unwrap_or(i64::MAX),
+                                );
+                                // ENOENT: the kernel holds no inode (nothing cached).
+                                if let Err(e) = r
+                                    && e.raw_os_error() != Some(libc::ENOENT)
+                                {
+                                    warn!("dropping cached pages ({what:?}) of the file: {e}");
+                                }
+                            },
+                        );
+                        debug!(
+                            "cached pages checked in {:?} ({} pages recorded)",
+                            started.elapsed(),
+                            revalidator.recorded_pages()
+                        );
                     }
                 }
             })
@@ -244,7 +268,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         mp.display(),
         match consistency {
             Consistency::Direct => "direct I/O".to_owned(),
-            Consistency::Cached(s) => format!("cached, pages dropped every {s:?}"),
+            Consistency::Cached(s) => format!("cached, changed pages dropped every {s:?}"),
         },
         if args.writable {
             ", writable"

@@ -21,6 +21,7 @@ use tracing::{info, trace, warn};
 use crate::deadline::{Dispatcher, Done, Reply, What};
 use crate::prefetch::{PrefetchStats, Prefetcher};
 use crate::range::{read_span, write_pages};
+use crate::revalidate::{RevalidateStats, Revalidator};
 use crate::source::Source;
 use crate::{Consistency, MAX_READ, MountConfig};
 
@@ -43,6 +44,8 @@ struct Inner {
     dispatch: Dispatcher,
     /// Read-ahead of sequential readers (`cfg.read_ahead`).
     ahead: Option<Prefetcher>,
+    /// The cached mode's records of what the kernel may hold.
+    revalidate: Option<Arc<Revalidator>>,
     /// The cores this process may run on.
     cores: usize,
     file: FileAttr,
@@ -87,11 +90,16 @@ impl PageFs {
             true => Some(Prefetcher::start(source.clone(), READ_AHEAD_THREADS)?),
             false => None,
         };
+        let revalidate = match cfg.consistency {
+            Consistency::Cached(_) => Some(Arc::new(Revalidator::default())),
+            Consistency::Direct => None,
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 source,
                 dispatch,
                 ahead,
+                revalidate,
                 cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
                 file,
                 dir,
@@ -325,13 +333,17 @@ impl Filesystem for PageFs {
                         let wait = inner.cfg.deadline / 2;
                         ahead.read(span.first, span.count, buf, wait, spare)
                     }
-                    None => inner
-                        .source
-                        .read_run_into(span.first, span.count, buf)
-                        .map(drop),
+                    None => inner.source.read_run_into(span.first, span.count, buf),
                 };
                 match r {
-                    Ok(()) => Ok(Done::Data(span.skip..span.skip + span.len)),
+                    Ok(pages) => {
+                        // Before the reply: the kernel may cache these bytes
+                        // only once it has them.
+                        if let Some(r) = &inner.revalidate {
+                            r.record(span.first, &pages);
+                        }
+                        Ok(Done::Data(span.skip..span.skip + span.len))
+                    }
                     Err(e) => {
                         warn!("{what}: {e}: EIO");
                         Err(Errno::EIO)
@@ -509,6 +521,12 @@ impl Filesystem for PageFs {
         if expired > 0 {
             warn!("{expired} request(s) were answered EIO at their deadline during this mount");
         }
+        if let Some(s) = self.revalidate_stats() {
+            info!(
+                "cached pages: {} checks of {} runs: {} kept, {} dropped as changed or uncheckable, {} times the whole file (records full)",
+                s.ticks, s.checked, s.kept, s.dropped, s.dropped_all
+            );
+        }
         if let Some(s) = self.read_ahead_stats() {
             info!(
                 "read-ahead: {} runs read ahead, {} used, {} stale (read again), {} failed, {} reached first by their reader, {} unused",
@@ -522,6 +540,17 @@ impl PageFs {
     /// What read-ahead did so far (None: off).
     pub fn read_ahead_stats(&self) -> Option<PrefetchStats> {
         self.inner.ahead.as_ref().map(Prefetcher::stats)
+    }
+
+    /// The cached mode's records (None in direct mode), for the mount's
+    /// timer to [`Revalidator::tick`] every period.
+    pub fn revalidator(&self) -> Option<Arc<Revalidator>> {
+        self.inner.revalidate.clone()
+    }
+
+    /// What the cached mode's revalidation did so far (None: direct mode).
+    pub fn revalidate_stats(&self) -> Option<RevalidateStats> {
+        self.inner.revalidate.as_ref().map(|r| r.stats())
     }
 
     /// The directory holds exactly the one file.

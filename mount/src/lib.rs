@@ -44,7 +44,9 @@
 //!   per page ([`prefetch`]).
 //! * Consistency ([`Consistency`]): direct I/O by default (no page cache,
 //!   every read asks the cluster), or the kernel page cache with a bound
-//!   on the age of cached pages.
+//!   on how long a changed page may still be served from it: every period
+//!   the runs the kernel read are checked (one 8-byte READ per page) and
+//!   only those that changed are dropped ([`revalidate`]).
 //!
 //! # Deadlines
 //!
@@ -66,12 +68,14 @@ pub mod fs;
 pub mod mountpoint;
 pub mod prefetch;
 pub(crate) mod range;
+pub mod revalidate;
 pub mod source;
 
 use std::time::Duration;
 
 pub use fs::PageFs;
 pub use prefetch::PrefetchStats;
+pub use revalidate::RevalidateStats;
 pub use source::{Source, SourceError};
 
 /// The largest read or write the kernel sends in one request (bytes).
@@ -83,8 +87,9 @@ pub enum Consistency {
     /// Every read goes to the cluster (FOPEN_DIRECT_IO): a read that
     /// starts after a write was acknowledged returns it or newer bytes.
     Direct,
-    /// The kernel caches pages, attributes and the directory entry; the
-    /// mount drops the file's cached pages every this often.
+    /// The kernel caches pages, attributes and the directory entry; every
+    /// this often the mount drops the cached runs that changed since they
+    /// were read ([`revalidate`]).
     Cached(Duration),
 }
 

@@ -154,7 +154,7 @@ impl Prefetcher {
     /// it is still current, else from the cluster. Then, if the read
     /// continued an earlier one and `ahead` allows, queues the run after
     /// it. `wait`: the longest a read waits for a run being read ahead
-    /// (then it reads the run itself).
+    /// (then it reads the run itself). Returns how each page was read.
     pub(crate) fn read(
         &self,
         first: u64,
@@ -162,7 +162,7 @@ impl Prefetcher {
         buf: &mut Vec<u8>,
         wait: Duration,
         ahead: bool,
-    ) -> Result<(), crate::SourceError> {
+    ) -> Result<Vec<ReadInfo>, crate::SourceError> {
         let s = &self.shared;
         let taken = self.take(first, count, wait);
         let sequential = taken.is_some() || s.continues(first, first + count as u64);
@@ -184,7 +184,7 @@ impl Prefetcher {
         if sequential && ahead && pages.iter().any(worth_reading_ahead) {
             self.queue(first + count as u64, count);
         }
-        Ok(())
+        Ok(pages)
     }
 
     /// What happened to runs read ahead so far.

@@ -1,0 +1,299 @@
+//! The cached mode's revalidation: every period, drop from the kernel's
+//! page cache only the runs that changed since they were read.
+//!
+//! With `--cached SECS` the kernel keeps the pages it read through the
+//! mount. Every read the mount answers in that mode is recorded here before
+//! its reply leaves: the run's first page and how each page was read (its
+//! [`ReadInfo`], which names the owner's frame and the generation copied).
+//! Every SECS seconds [`Revalidator::tick`] takes the records and checks
+//! each run with [`crate::Source::still_current`] (one 8-byte READ of each
+//! page's frame generation, batched per owner): a run still current stays
+//! cached and recorded; any other (a page written since, moved to another
+//! owner, read over gRPC or served uncached, an owner that cannot be
+//! reached) has its byte range dropped from the kernel's cache (a FUSE
+//! `inval_inode` of that range) and its record forgotten, so the next read
+//! of it comes to the mount again and is recorded again.
+//!
+//! # The bound
+//!
+//! A check that finds a run current at time `c` means every page of it is,
+//! at `c`, the bytes a read would return: no write to it was acknowledged
+//! before `c` (the argument is
+//! [`pagewire_client::RemoteReader::still_current`]'s). Bytes the kernel
+//! holds came from a read that was recorded before its reply, hence before
+//! the kernel could hold them, and every record is checked by the first
+//! tick that starts after it was made. So a write acknowledged at `t` is
+//! seen by every read through the mount that starts after `t` + SECS +
+//! the time a read may take (the deadline) + the time one tick's checks
+//! take: the same bound as dropping every page every SECS seconds, with the
+//! check's time added, and a page that nobody writes stays cached.
+//!
+//! # Memory
+//!
+//! Records are kept for at most [`MAX_PAGES`] pages. A read that would go
+//! past it is not recorded and marks the table full; the next tick then
+//! drops the whole file from the kernel's cache and forgets every record
+//! (what the mode did at every tick before revalidation), so the bound
+//! holds whatever the kernel caches. The kernel may also evict pages on its
+//! own; their records stay until a check fails or the table is dropped
+//! whole, and cost a READ per page per tick meanwhile.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use pagewire_client::ReadInfo;
+
+/// Pages recorded at most (1 GiB of cache at 4 KiB pages; a record costs
+/// about 56 bytes a page).
+pub const MAX_PAGES: usize = 1 << 18;
+
+/// What revalidation did, since the mount started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RevalidateStats {
+    /// Ticks run.
+    pub ticks: u64,
+    /// Runs checked, over every tick.
+    pub checked: u64,
+    /// Runs found current (kept cached).
+    pub kept: u64,
+    /// Runs dropped from the kernel's cache: changed, or not checkable.
+    pub dropped: u64,
+    /// Ticks that dropped the whole file (the table was full).
+    pub dropped_all: u64,
+}
+
+/// The runs the kernel may hold, by first page.
+#[derive(Default)]
+struct Table {
+    runs: HashMap<u64, Vec<ReadInfo>>,
+    /// Pages in `runs`.
+    pages: usize,
+    /// A read was not recorded: the next tick drops everything.
+    full: bool,
+}
+
+/// The records of one cached mount ([`crate::Consistency::Cached`]).
+pub struct Revalidator {
+    table: Mutex<Table>,
+    max_pages: usize,
+    ticks: AtomicU64,
+    checked: AtomicU64,
+    kept: AtomicU64,
+    dropped: AtomicU64,
+    dropped_all: AtomicU64,
+}
+
+/// What a tick asks the kernel to drop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Invalidate {
+    /// Pages `first..first + count` of the cluster's file.
+    Run { first: u64, count: u64 },
+    /// Every cached page of the file.
+    All,
+}
+
+impl Default for Revalidator {
+    fn default() -> Self {
+        Self::new(MAX_PAGES)
+    }
+}
+
+impl Revalidator {
+    /// Records of at most `max_pages` pages.
+    pub fn new(max_pages: usize) -> Self {
+        Self {
+            table: Mutex::new(Table::default()),
+            max_pages,
+            ticks: AtomicU64::new(0),
+            checked: AtomicU64::new(0),
+            kept: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            dropped_all: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records that pages `first..first + pages.len()` were just read as
+    /// `pages` say (call before the reply leaves). A newer record of the
+    /// same first page replaces the older one.
+    pub fn record(&self, first: u64, pages: &[ReadInfo]) {
+        let mut t = self.lock();
+        let old = t.runs.get(&first).map_or(0, Vec::len);
+        if t.pages - old + pages.len() > self.max_pages {
+            t.full = true;
+            return;
+        }
+        t.pages = t.pages - old + pages.len();
+        t.runs.insert(first, pages.to_vec());
+    }
+
+    /// One period's revalidation: checks every recorded run with
+    /// `still_current(first, pages)` and asks `invalidate` to drop each run that
+    /// is not current (or the whole file, once, when the table was full),
+    /// then keeps the records of the current runs. Reads recorded while it
+    /// runs are kept for the next tick (a record made meanwhile for a run's
+    /// first page is newer than the one checked, and wins).
+    pub fn tick(
+        &self,
+        still_current: impl Fn(u64, &[ReadInfo]) -> bool,
+        mut invalidate: impl FnMut(Invalidate),
+    ) {
+        self.ticks.fetch_add(1, Ordering::Relaxed);
+        let taken = std::mem::take(&mut *self.lock());
+        if taken.full {
+            self.dropped_all.fetch_add(1, Ordering::Relaxed);
+            invalidate(Invalidate::All);
+            return;
+        }
+        let mut kept = Vec::with_capacity(taken.runs.len());
+        for (first, pages) in taken.runs {
+            self.checked.fetch_add(1, Ordering::Relaxed);
+            if still_current(first, &pages) {
+                self.kept.fetch_add(1, Ordering::Relaxed);
+                kept.push((first, pages));
+            } else {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                invalidate(Invalidate::Run {
+                    first,
+                    count: pages.len() as u64,
+                });
+            }
+        }
+        let mut guard = self.lock();
+        let t = &mut *guard;
+        for (first, pages) in kept {
+            if t.pages + pages.len() > self.max_pages {
+                // Only if reads filled the table while the checks ran: the
+                // next tick drops everything anyway.
+                t.full = true;
+                break;
+            }
+            if let std::collections::hash_map::Entry::Vacant(v) = t.runs.entry(first) {
+                t.pages += pages.len();
+                v.insert(pages);
+            }
+        }
+    }
+
+    /// What it did so far.
+    pub fn stats(&self) -> RevalidateStats {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RevalidateStats {
+            ticks: get(&self.ticks),
+            checked: get(&self.checked),
+            kept: get(&self.kept),
+            dropped: get(&self.dropped),
+            dropped_all: get(&self.dropped_all),
+        }
+    }
+
+    /// Pages recorded now.
+    pub fn recorded_pages(&self) -> usize {
+        self.lock().pages
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pagewire_client::{ReadInfo, Via};
+
+    fn info(generation: u64) -> ReadInfo {
+        ReadInfo {
+            via: Via::OneSided,
+            owner: 1,
+            attempts: 1,
+            transport: None,
+            generation,
+            coalesced: false,
+            copy: None,
+        }
+    }
+
+    fn run(generation: u64, n: usize) -> Vec<ReadInfo> {
+        vec![info(generation); n]
+    }
+
+    /// A check that calls a run current iff every page's generation is odd.
+    fn odd(_: u64, p: &[ReadInfo]) -> bool {
+        p.iter().all(|i| i.generation % 2 == 1)
+    }
+
+    fn tick(r: &Revalidator) -> Vec<Invalidate> {
+        let mut out = Vec::new();
+        r.tick(odd, |d| out.push(d));
+        out.sort_by_key(|d| match d {
+            Invalidate::Run { first, .. } => *first,
+            Invalidate::All => u64::MAX,
+        });
+        out
+    }
+
+    #[test]
+    fn current_runs_stay_and_changed_ones_are_dropped_once() {
+        let r = Revalidator::new(100);
+        r.record(0, &run(1, 8));
+        r.record(8, &run(2, 8));
+        r.record(16, &run(3, 4));
+        assert_eq!(r.recorded_pages(), 20);
+        assert_eq!(tick(&r), vec![Invalidate::Run { first: 8, count: 8 }]);
+        assert_eq!(r.recorded_pages(), 12);
+        // Checked again at every tick; the dropped run is forgotten.
+        assert_eq!(tick(&r), vec![]);
+        assert_eq!(
+            r.stats(),
+            RevalidateStats {
+                ticks: 2,
+                checked: 5,
+                kept: 4,
+                dropped: 1,
+                dropped_all: 0
+            }
+        );
+    }
+
+    #[test]
+    fn a_newer_record_of_a_run_replaces_the_older() {
+        let r = Revalidator::new(100);
+        r.record(0, &run(2, 8));
+        r.record(0, &run(1, 4));
+        assert_eq!(r.recorded_pages(), 4);
+        assert_eq!(tick(&r), vec![]);
+    }
+
+    #[test]
+    fn a_read_past_the_limit_makes_the_next_tick_drop_everything() {
+        let r = Revalidator::new(10);
+        r.record(0, &run(1, 8));
+        r.record(8, &run(1, 4));
+        assert_eq!(r.recorded_pages(), 8);
+        assert_eq!(tick(&r), vec![Invalidate::All]);
+        // Everything forgotten: recording starts over.
+        assert_eq!(r.recorded_pages(), 0);
+        r.record(8, &run(1, 4));
+        assert_eq!(tick(&r), vec![]);
+        assert_eq!(r.stats().dropped_all, 1);
+    }
+
+    #[test]
+    fn a_record_made_during_the_checks_wins_over_the_checked_one() {
+        let r = Revalidator::new(100);
+        r.record(0, &run(1, 4));
+        let mut drops = Vec::new();
+        r.tick(
+            |first, p| {
+                // A read of the same run, recorded while this tick checks:
+                // even generations, so the next tick must drop it.
+                r.record(first, &run(2, 4));
+                odd(first, p)
+            },
+            |d| drops.push(d),
+        );
+        assert!(drops.is_empty());
+        assert_eq!(tick(&r), vec![Invalidate::Run { first: 0, count: 4 }]);
+    }
+}
