@@ -11,7 +11,9 @@
 //!   so its cost shows beside them; `tcp-noahead` is `tcp` through a
 //!   third mount started with `--no-read-ahead`, so what the mount's
 //!   read-ahead of sequential readers (on for runs that come over the
-//!   network) is worth shows too.
+//!   network) is worth shows too. `shm-cached` and `tcp-cached` (not in
+//!   the default list) read through a mount started with `--cached 1`: the
+//!   kernel page cache, whose changed runs the mount drops every second.
 //! * Jobs: 4 KiB random reads and 1 MiB sequential reads at queue depth 1
 //!   and 16, fio's `psync` engine; depth 16 is 16 jobs ([`fio`]).
 //! * Verification: the backing file is written by fio with a crc32c verify
@@ -51,7 +53,7 @@ use crate::remote::owner::process_cpu_us;
 use crate::report;
 use crate::storm::procs::{self, ClusterSpec, Hosts, Programs};
 use fio::{Job, Measured};
-use pwmount::{PwMount, detach_if_mounted, wait_for_file};
+use pwmount::{Flavor, PwMount, detach_if_mounted, wait_for_file};
 use summary::{Row, row, table, targets};
 
 const TOKEN: &str = "pagewire-bench-mount-token";
@@ -82,7 +84,9 @@ pub struct Args {
     /// (the backing file), zero (the do-nothing FUSE file system),
     /// shm-noverify, local-noverify (without fio's verification),
     /// tcp-noahead (tcp through a mount that does not read ahead: what
-    /// read-ahead is worth).
+    /// read-ahead is worth), shm-cached and tcp-cached (through a mount
+    /// with `--cached 1`: the kernel page cache, revalidated every second;
+    /// not in the default list).
     #[arg(
         long,
         value_delimiter = ',',
@@ -124,10 +128,14 @@ enum Via {
     LocalNoVerify,
     /// tcp, verified, through a mount started with `--no-read-ahead`.
     TcpNoAhead,
+    /// shm, verified, through a mount started with `--cached 1`.
+    ShmCached,
+    /// tcp, verified, through a mount started with `--cached 1`.
+    TcpCached,
 }
 
 impl Via {
-    const ALL: [Via; 7] = [
+    const ALL: [Via; 9] = [
         Via::Shm,
         Via::Tcp,
         Via::Local,
@@ -135,6 +143,8 @@ impl Via {
         Via::ShmNoVerify,
         Via::LocalNoVerify,
         Via::TcpNoAhead,
+        Via::ShmCached,
+        Via::TcpCached,
     ];
 
     fn key(self) -> &'static str {
@@ -146,6 +156,8 @@ impl Via {
             Via::ShmNoVerify => "shm-noverify",
             Via::LocalNoVerify => "local-noverify",
             Via::TcpNoAhead => "tcp-noahead",
+            Via::ShmCached => "shm-cached",
+            Via::TcpCached => "tcp-cached",
         }
     }
 
@@ -153,6 +165,7 @@ impl Via {
         match self {
             Via::Shm | Via::Tcp | Via::ShmNoVerify => "mount",
             Via::TcpNoAhead => "mount-noahead",
+            Via::ShmCached | Via::TcpCached => "mount-cached",
             Via::Local | Via::LocalNoVerify => "local",
             Via::Zero => "zero-fuse",
         }
@@ -160,25 +173,29 @@ impl Via {
 
     fn transport(self) -> &'static str {
         match self {
-            Via::Shm | Via::ShmNoVerify => "shm",
-            Via::Tcp | Via::TcpNoAhead => "tcp",
+            Via::Shm | Via::ShmNoVerify | Via::ShmCached => "shm",
+            Via::Tcp | Via::TcpNoAhead | Via::TcpCached => "tcp",
             Via::Local | Via::LocalNoVerify => "page cache",
             Via::Zero => "-",
         }
     }
 
-    /// The mount a cell reads through: its transport, and whether it
-    /// reads ahead.
-    fn mount(self) -> Option<(&'static str, bool)> {
-        matches!(
-            self,
-            Via::Shm | Via::Tcp | Via::ShmNoVerify | Via::TcpNoAhead
-        )
-        .then(|| (self.transport(), self != Via::TcpNoAhead))
+    /// The mount a cell reads through: its transport and flavour.
+    fn mount(self) -> Option<(&'static str, Flavor)> {
+        let flavor = match self {
+            Via::Shm | Via::Tcp | Via::ShmNoVerify => Flavor::Default,
+            Via::TcpNoAhead => Flavor::NoAhead,
+            Via::ShmCached | Via::TcpCached => Flavor::Cached,
+            Via::Local | Via::LocalNoVerify | Via::Zero => return None,
+        };
+        Some((self.transport(), flavor))
     }
 
     fn verify(self) -> bool {
-        matches!(self, Via::Shm | Via::Tcp | Via::Local | Via::TcpNoAhead)
+        matches!(
+            self,
+            Via::Shm | Via::Tcp | Via::Local | Via::TcpNoAhead | Via::ShmCached | Via::TcpCached
+        )
     }
 }
 
@@ -235,7 +252,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
     for p in &a.paths {
         if !Via::ALL.iter().any(|v| v.key() == p) {
             bail!(
-                "--paths: unknown path {p:?} (shm, tcp, local, zero, shm-noverify, local-noverify, tcp-noahead)"
+                "--paths: unknown path {p:?} (shm, tcp, local, zero, shm-noverify, local-noverify, tcp-noahead, shm-cached, tcp-cached)"
             );
         }
     }
@@ -277,10 +294,12 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         t.elapsed()
     );
 
-    let mounts_needed: Vec<(&'static str, bool)> = [("shm", true), ("tcp", true), ("tcp", false)]
-        .into_iter()
-        .filter(|m| vias.iter().any(|v| v.mount() == Some(*m)))
-        .collect();
+    let mut mounts_needed: Vec<(&'static str, Flavor)> = Vec::new();
+    for m in vias.iter().filter_map(|v| v.mount()) {
+        if !mounts_needed.contains(&m) {
+            mounts_needed.push(m);
+        }
+    }
 
     // Declared in this order so that they drop in the reverse one: the
     // zero FS and the mounts before the cluster, the cluster before the
@@ -321,15 +340,15 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
             "mount: cluster of 3 nodes up, {warmed} pages faulted in, in {:.1?}",
             t.elapsed()
         );
-        for &(transport, read_ahead) in &mounts_needed {
-            let name = pwmount::name(transport, read_ahead);
+        for &(transport, flavor) in &mounts_needed {
+            let name = pwmount::name(transport, flavor);
             let dir = work.join(format!("mnt-{name}"));
             std::fs::create_dir_all(&dir)?;
             let m = PwMount::start(
                 &mount_bin,
                 &c.spec.coordinator_addr(),
                 &token_file,
-                (transport, read_ahead),
+                (transport, flavor),
                 a.workers,
                 &dir,
                 &work.join(format!("mount-{name}.log")),
@@ -398,7 +417,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
                 _ => {
                     let m = mounts
                         .iter()
-                        .find(|m| via.mount() == Some((m.transport, m.read_ahead)))
+                        .find(|m| via.mount() == Some((m.transport, m.flavor)))
                         .context("mount")?;
                     (m.file(), Some(m.child.id()))
                 }
@@ -443,7 +462,7 @@ fn run_inner(a: &Args) -> anyhow::Result<()> {
         "engine": "psync (pread); queue depth 16 = numjobs=16, each job its own 1/16 of the file; no O_DIRECT (the mounts open the file with FOPEN_DIRECT_IO themselves, the local file is read through the page cache)",
         "verification": "crc32c header in every 4 KiB block, written by fio; verified rows check every block of every read inside the timed job (--verify=crc32c --verify_interval=4096 --continue_on_error=verify), wrong reads counted from fio's JSON and stderr; the *-noverify rows are the same reads unverified, the cost of verification",
         "cluster": "1 coordinator + 3 nodes on loopback, frames per node = the file's pages, warmed (coordinator Warm) and read whole through each mount before measuring",
-        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, read-ahead of sequential readers, checked before use; the mount-noahead rows: --no-read-ahead; {} FUSE threads running reads themselves)", a.workers, fuse_threads(a.workers)),
+        "mount": format!("pagewire-mount --transport shm|tcp --workers {} (direct I/O, max_read 1 MiB, read-ahead of sequential readers, checked before use; the mount-noahead rows: --no-read-ahead; the mount-cached rows: --cached 1, reads through the kernel page cache; {} FUSE threads running reads themselves)", a.workers, fuse_threads(a.workers)),
         "zero_fs": format!("fuser 0.18 in this process: same mount options and init as pagewire-mount, FOPEN_DIRECT_IO, {} FUSE threads with cloned fds (as many as the mount's); reads answered with zeros on the FUSE thread", fuse_threads(a.workers)),
         "fio_version": fio_version(&a.fio),
         "fio_example": Job::ALL.iter().map(|j| format!("{} {}", a.fio, j.args(Path::new("MOUNT/data"), size, a.seconds, true).join(" "))).collect::<Vec<_>>(),

@@ -523,8 +523,8 @@ impl Filesystem for PageFs {
         }
         if let Some(s) = self.revalidate_stats() {
             info!(
-                "cached pages: {} checks of {} runs: {} kept, {} dropped as changed or uncheckable, {} times the whole file (records full)",
-                s.ticks, s.checked, s.kept, s.dropped, s.dropped_all
+                "cached pages: {} checks of {} runs: {} kept, {} dropped as changed or uncheckable, {} times the whole file (records full); checks took {:?} in all, {:?} at most",
+                s.ticks, s.checked, s.kept, s.dropped, s.dropped_all, s.busy, s.longest
             );
         }
         if let Some(s) = self.read_ahead_stats() {

@@ -41,11 +41,12 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use pagewire_client::ReadInfo;
 
 /// Pages recorded at most (1 GiB of cache at 4 KiB pages; a record costs
-/// about 56 bytes a page).
+/// at most 56 bytes a page, so at most 14 MiB).
 pub const MAX_PAGES: usize = 1 << 18;
 
 /// What revalidation did, since the mount started.
@@ -61,6 +62,10 @@ pub struct RevalidateStats {
     pub dropped: u64,
     /// Ticks that dropped the whole file (the table was full).
     pub dropped_all: u64,
+    /// Time the ticks took, over every tick (checks and drops).
+    pub busy: Duration,
+    /// The longest tick.
+    pub longest: Duration,
 }
 
 /// The runs the kernel may hold, by first page.
@@ -82,6 +87,9 @@ pub struct Revalidator {
     kept: AtomicU64,
     dropped: AtomicU64,
     dropped_all: AtomicU64,
+    /// Nanoseconds.
+    busy: AtomicU64,
+    longest: AtomicU64,
 }
 
 /// What a tick asks the kernel to drop.
@@ -110,6 +118,8 @@ impl Revalidator {
             kept: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             dropped_all: AtomicU64::new(0),
+            busy: AtomicU64::new(0),
+            longest: AtomicU64::new(0),
         }
     }
 
@@ -140,9 +150,21 @@ impl Revalidator {
     pub fn tick(
         &self,
         still_current: impl Fn(u64, &[ReadInfo]) -> bool,
+        invalidate: impl FnMut(Invalidate),
+    ) {
+        let started = Instant::now();
+        self.check(still_current, invalidate);
+        let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.ticks.fetch_add(1, Ordering::Relaxed);
+        self.busy.fetch_add(ns, Ordering::Relaxed);
+        self.longest.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    fn check(
+        &self,
+        still_current: impl Fn(u64, &[ReadInfo]) -> bool,
         mut invalidate: impl FnMut(Invalidate),
     ) {
-        self.ticks.fetch_add(1, Ordering::Relaxed);
         let taken = std::mem::take(&mut *self.lock());
         if taken.full {
             self.dropped_all.fetch_add(1, Ordering::Relaxed);
@@ -188,6 +210,8 @@ impl Revalidator {
             kept: get(&self.kept),
             dropped: get(&self.dropped),
             dropped_all: get(&self.dropped_all),
+            busy: Duration::from_nanos(get(&self.busy)),
+            longest: Duration::from_nanos(get(&self.longest)),
         }
     }
 
@@ -244,16 +268,18 @@ mod tests {
         assert_eq!(r.recorded_pages(), 12);
         // Checked again at every tick; the dropped run is forgotten.
         assert_eq!(tick(&r), vec![]);
+        let s = r.stats();
         assert_eq!(
-            r.stats(),
-            RevalidateStats {
-                ticks: 2,
-                checked: 5,
-                kept: 4,
-                dropped: 1,
-                dropped_all: 0
-            }
+            (s.ticks, s.checked, s.kept, s.dropped, s.dropped_all),
+            (2, 5, 4, 1, 0)
         );
+        assert!(s.longest <= s.busy);
+    }
+
+    #[test]
+    fn a_record_costs_what_the_limit_is_sized_for() {
+        // MAX_PAGES records: at most 14 MiB ([`MAX_PAGES`]).
+        assert!(std::mem::size_of::<ReadInfo>() <= 56);
     }
 
     #[test]

@@ -78,17 +78,43 @@ pub(super) struct PwMount {
     pub(super) dir: PathBuf,
     pub(super) log: PathBuf,
     pub(super) transport: &'static str,
-    /// Started without `--no-read-ahead`.
-    pub(super) read_ahead: bool,
+    pub(super) flavor: Flavor,
 }
 
-/// A mount's name: its transport, with `-noahead` for one without
-/// read-ahead.
-pub(super) fn name(transport: &str, read_ahead: bool) -> String {
-    match read_ahead {
-        true => transport.to_owned(),
-        false => format!("{transport}-noahead"),
+/// How a mount is started, beside its transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Flavor {
+    /// The defaults: direct I/O, read-ahead of sequential readers.
+    Default,
+    /// `--no-read-ahead`.
+    NoAhead,
+    /// `--cached 1`: the kernel page cache, changed pages dropped every
+    /// second.
+    Cached,
+}
+
+impl Flavor {
+    /// What its name adds to the transport's.
+    pub(super) fn suffix(self) -> &'static str {
+        match self {
+            Flavor::Default => "",
+            Flavor::NoAhead => "-noahead",
+            Flavor::Cached => "-cached",
+        }
     }
+
+    fn args(self) -> &'static [&'static str] {
+        match self {
+            Flavor::Default => &[],
+            Flavor::NoAhead => &["--no-read-ahead"],
+            Flavor::Cached => &["--cached", "1"],
+        }
+    }
+}
+
+/// A mount's name: its transport, with its flavour's suffix.
+pub(super) fn name(transport: &str, flavor: Flavor) -> String {
+    format!("{transport}{}", flavor.suffix())
 }
 
 impl PwMount {
@@ -97,7 +123,7 @@ impl PwMount {
         bin: &Path,
         coordinator: &str,
         token_file: &Path,
-        (transport, read_ahead): (&'static str, bool),
+        (transport, flavor): (&'static str, Flavor),
         workers: u32,
         dir: &Path,
         log: &Path,
@@ -110,7 +136,7 @@ impl PwMount {
             .arg(token_file)
             .args(["--transport", transport])
             .args(["--workers", &workers.to_string()])
-            .args((!read_ahead).then_some("--no-read-ahead"))
+            .args(flavor.args())
             .arg(dir)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -125,7 +151,7 @@ impl PwMount {
             dir: dir.to_owned(),
             log: log.to_owned(),
             transport,
-            read_ahead,
+            flavor,
         };
         let file = m.file();
         wait_for_file(&file, size, Duration::from_secs(60), || m.check_alive())?;
@@ -134,7 +160,7 @@ impl PwMount {
 
     /// Its name in folders, logs and messages ([`name`]).
     pub(super) fn name(&self) -> String {
-        name(self.transport, self.read_ahead)
+        name(self.transport, self.flavor)
     }
 
     pub(super) fn file(&self) -> PathBuf {
