@@ -120,13 +120,7 @@ fn a_cached_mount_keeps_unchanged_pages_across_its_checks_and_drops_only_a_writt
     );
 
     drop(f);
-    let (st, unmounted) = m.stop();
-    assert!(st.success() && unmounted, "{st}, unmounted: {unmounted}");
-    let log = m.proc.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("cached pages: "))
-        .unwrap_or_else(|| panic!("no cached pages line in the mount's log:\n{log}"));
+    let line = m.stop_and_find("cached pages: ");
     eprintln!("MEASURE {line}");
     assert!(
         line.contains(" 0 times the whole file"),

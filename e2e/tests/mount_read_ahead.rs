@@ -89,13 +89,7 @@ fn a_run_read_ahead_is_checked_against_writes_acknowledged_before_the_read() {
         "a run is still current after a write to one of its pages was acknowledged"
     );
 
-    let (st, unmounted) = m.stop();
-    assert!(st.success() && unmounted, "{st}, unmounted: {unmounted}");
-    let log = m.proc.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("read-ahead: "))
-        .unwrap_or_else(|| panic!("no read-ahead line in the mount's log:\n{log}"));
+    let line = m.stop_and_find("read-ahead: ");
     let count = |what: &str| -> u64 {
         let at = line
             .find(what)

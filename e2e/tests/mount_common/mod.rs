@@ -271,6 +271,18 @@ impl Mount {
         (st, !is_mounted(&self.dir))
     }
 
+    /// [`Mount::stop`], which must exit 0 and unmount; then the first line
+    /// of its log holding `needle` (one of its unmount lines).
+    pub fn stop_and_find(&mut self, needle: &str) -> String {
+        let (st, unmounted) = self.stop();
+        assert!(st.success() && unmounted, "{st}, unmounted: {unmounted}");
+        let log = self.proc.log_text();
+        log.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} line in the mount's log:\n{log}"))
+            .to_owned()
+    }
+
     /// kill -9: the mount point is left dead (ENOTCONN).
     pub fn crash(&mut self) {
         self.proc.kill9();
