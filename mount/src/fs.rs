@@ -20,7 +20,7 @@ use tracing::{info, trace, warn};
 
 use crate::deadline::{Dispatcher, Done, Reply, What};
 use crate::prefetch::{PrefetchStats, Prefetcher};
-use crate::range::{read_span, write_pages};
+use crate::range::{PageWrite, read_span, write_pages};
 use crate::revalidate::{RevalidateStats, Revalidator};
 use crate::source::Source;
 use crate::{Consistency, MAX_READ, MountConfig};
@@ -128,14 +128,38 @@ impl Inner {
         }
     }
 
-    /// Writes `data` at `offset`, page by page; the bytes written (short
-    /// when a later page failed), or the first page's error.
+    /// Writes `data` at `offset` ([`Inner::write_parts`]); in the cached
+    /// mode, then records the pages it touched as written, for the next
+    /// tick to drop from the kernel's cache.
     fn write(&self, offset: u64, data: &[u8], buf: &mut Vec<u8>) -> Result<Done, Errno> {
         let src = &self.source;
-        let ps = src.page_size();
-        let Some(parts) = write_pages(offset, data.len(), src.file_size(), ps) else {
+        let Some(parts) = write_pages(offset, data.len(), src.file_size(), src.page_size()) else {
             return Err(Errno::EFBIG);
         };
+        let r = self.write_parts(offset, data, &parts, buf);
+        if let (Some(rv), Some(first), Some(last)) = (&self.revalidate, parts.first(), parts.last())
+        {
+            // After the writes and before the reply, whatever the outcome:
+            // the kernel keeps the whole pages written through its cache
+            // once the reply reaches it (a tick before the writes ended
+            // could drop them too early).
+            rv.record_written(first.page, last.page - first.page + 1);
+        }
+        r
+    }
+
+    /// Writes `parts` of `data` (a write at `offset`), page by page; the
+    /// bytes written (short when a later page failed), or the first page's
+    /// error.
+    fn write_parts(
+        &self,
+        offset: u64,
+        data: &[u8],
+        parts: &[PageWrite],
+        buf: &mut Vec<u8>,
+    ) -> Result<Done, Errno> {
+        let src = &self.source;
+        let ps = src.page_size();
         let mut written = 0usize;
         for p in parts {
             let len = src.page_len(p.page);

@@ -12,7 +12,13 @@
 //! owner, read over gRPC or served uncached, an owner that cannot be
 //! reached) has its byte range dropped from the kernel's cache (a FUSE
 //! `inval_inode` of that range) and its record forgotten, so the next read
-//! of it comes to the mount again and is recorded again.
+//! of it comes to the mount again and is recorded again. A write through
+//! a writable cached mount records the pages it touched as written: the
+//! kernel keeps whole pages written through its cache without reading
+//! them, and nothing could tell later whether they are still the page, so
+//! the next tick drops them unchecked. Records are keyed by first page and
+//! length: a shorter run read again from the same page must not hide the
+//! rest of a longer one the kernel may still hold.
 //!
 //! # The bound
 //!
@@ -20,9 +26,10 @@
 //! at `c`, the bytes a read would return: no write to it was acknowledged
 //! before `c` (the argument is
 //! [`pagewire_client::RemoteReader::still_current`]'s). Bytes the kernel
-//! holds came from a read that was recorded before its reply, hence before
-//! the kernel could hold them, and every record is checked by the first
-//! tick that starts after it was made. So a write acknowledged at `t` is
+//! holds came from a read or a write through the mount that was recorded
+//! before its reply, hence before the kernel could hold them, and every
+//! record is checked (or, for a write, dropped) by the first tick that
+//! starts after it was made. So a write acknowledged at `t` is
 //! seen by every read through the mount that starts after `t` + SECS +
 //! the time a read may take (the deadline) + the time one tick's checks
 //! take: the same bound as dropping every page every SECS seconds, with the
@@ -68,10 +75,13 @@ pub struct RevalidateStats {
     pub longest: Duration,
 }
 
-/// The runs the kernel may hold, by first page.
+/// The runs the kernel may hold, by first page and length (runs of one
+/// first page and different lengths are different runs: a shorter one must
+/// not hide the rest of a longer one), each with how its pages were read
+/// (None: written through this mount, so nothing to check it by).
 #[derive(Default)]
 struct Table {
-    runs: HashMap<u64, Vec<ReadInfo>>,
+    runs: HashMap<(u64, u64), Option<Vec<ReadInfo>>>,
     /// Pages in `runs`.
     pages: usize,
     /// A read was not recorded: the next tick drops everything.
@@ -129,24 +139,40 @@ impl Revalidator {
 
     /// Records that pages `first..first + pages.len()` were just read as
     /// `pages` say (call before the reply leaves). A newer record of the
-    /// same first page replaces the older one.
+    /// same run replaces the older one (the kernel reads only pages it
+    /// does not hold, so it holds the newer bytes).
     pub fn record(&self, first: u64, pages: &[ReadInfo]) {
+        self.insert((first, pages.len() as u64), Some(pages.to_vec()));
+    }
+
+    /// Records that pages `first..first + count` were written through this
+    /// mount (call before the reply leaves): the kernel keeps the bytes of
+    /// whole pages written through its cache, with no read, and nothing
+    /// tells later whether they are still the page, so the next tick drops
+    /// them.
+    pub fn record_written(&self, first: u64, count: u64) {
+        self.insert((first, count), None);
+    }
+
+    fn insert(&self, key: (u64, u64), pages: Option<Vec<ReadInfo>>) {
         let mut t = self.lock();
-        let old = t.runs.get(&first).map_or(0, Vec::len);
-        if t.pages - old + pages.len() > self.max_pages {
+        let len = key.1 as usize;
+        let old = if t.runs.contains_key(&key) { len } else { 0 };
+        if t.pages - old + len > self.max_pages {
             t.full = true;
             return;
         }
-        t.pages = t.pages - old + pages.len();
-        t.runs.insert(first, pages.to_vec());
+        t.pages = t.pages - old + len;
+        t.runs.insert(key, pages);
     }
 
     /// One period's revalidation: checks every recorded run with
     /// `still_current(first, pages)` and asks `invalidate` to drop each run that
     /// is not current (or the whole file, once, when the table was full),
     /// then keeps the records of the current runs. Reads recorded while it
-    /// runs are kept for the next tick (a record made meanwhile for a run's
-    /// first page is newer than the one checked, and wins).
+    /// runs are kept for the next tick (a record of the same run made
+    /// meanwhile is newer than the one checked, and wins). Runs written
+    /// through the mount are dropped without a check.
     pub fn tick(
         &self,
         still_current: impl Fn(u64, &[ReadInfo]) -> bool,
@@ -172,31 +198,31 @@ impl Revalidator {
             return;
         }
         let mut kept = Vec::with_capacity(taken.runs.len());
-        for (first, pages) in taken.runs {
+        for ((first, count), pages) in taken.runs {
             self.checked.fetch_add(1, Ordering::Relaxed);
-            if still_current(first, &pages) {
-                self.kept.fetch_add(1, Ordering::Relaxed);
-                kept.push((first, pages));
-            } else {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-                invalidate(Invalidate::Run {
-                    first,
-                    count: pages.len() as u64,
-                });
+            match pages {
+                Some(pages) if still_current(first, &pages) => {
+                    self.kept.fetch_add(1, Ordering::Relaxed);
+                    kept.push(((first, count), pages));
+                }
+                _ => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    invalidate(Invalidate::Run { first, count });
+                }
             }
         }
         let mut guard = self.lock();
         let t = &mut *guard;
-        for (first, pages) in kept {
+        for (key, pages) in kept {
             if t.pages + pages.len() > self.max_pages {
                 // Only if reads filled the table while the checks ran: the
                 // next tick drops everything anyway.
                 t.full = true;
                 break;
             }
-            if let std::collections::hash_map::Entry::Vacant(v) = t.runs.entry(first) {
+            if let std::collections::hash_map::Entry::Vacant(v) = t.runs.entry(key) {
                 t.pages += pages.len();
-                v.insert(pages);
+                v.insert(Some(pages));
             }
         }
     }
@@ -286,9 +312,34 @@ mod tests {
     fn a_newer_record_of_a_run_replaces_the_older() {
         let r = Revalidator::new(100);
         r.record(0, &run(2, 8));
-        r.record(0, &run(1, 4));
-        assert_eq!(r.recorded_pages(), 4);
+        r.record(0, &run(1, 8));
+        assert_eq!(r.recorded_pages(), 8);
         assert_eq!(tick(&r), vec![]);
+    }
+
+    #[test]
+    fn a_shorter_run_from_the_same_page_does_not_hide_the_longer_one() {
+        // The kernel read pages 0..8, dropped and read again 0..4: it may
+        // still hold 4..8 as the first read left them.
+        let r = Revalidator::new(100);
+        let mut first = run(1, 8);
+        first[6].generation = 2;
+        r.record(0, &first);
+        r.record(0, &run(1, 4));
+        assert_eq!(r.recorded_pages(), 12);
+        assert_eq!(tick(&r), vec![Invalidate::Run { first: 0, count: 8 }]);
+        assert_eq!(r.recorded_pages(), 4);
+    }
+
+    #[test]
+    fn pages_written_through_the_mount_are_dropped_at_the_next_tick() {
+        let r = Revalidator::new(100);
+        r.record(0, &run(1, 8));
+        r.record_written(5, 2);
+        assert_eq!(r.recorded_pages(), 10);
+        assert_eq!(tick(&r), vec![Invalidate::Run { first: 5, count: 2 }]);
+        assert_eq!(tick(&r), vec![]);
+        assert_eq!(r.recorded_pages(), 8);
     }
 
     #[test]
