@@ -8,7 +8,6 @@
 mod mount_common;
 
 use mount_common::*;
-use pagewire_client::{ClientConfig, ClusterClient, MapFollower};
 use pagewire_node::pattern;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
@@ -32,8 +31,7 @@ fn a_run_read_ahead_is_checked_against_writes_acknowledged_before_the_read() {
         .write(true)
         .open(m.file())
         .expect("open");
-    let follower = MapFollower::start(&cluster.coord_addr(), TOKEN).expect("follower");
-    let client = ClusterClient::new(follower, TOKEN, ClientConfig::default()).expect("client");
+    let client = cluster.client();
     let mut want = std::fs::read(cluster.backing()).unwrap();
     let run_bytes = RUN as usize * PS;
     let mut got = vec![0u8; run_bytes];

@@ -6,7 +6,6 @@
 mod mount_common;
 
 use mount_common::*;
-use pagewire_client::{ClientConfig, ClusterClient, MapFollower};
 use pagewire_node::pattern;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::sync::Arc;
@@ -68,8 +67,7 @@ fn a_writable_mount_writes_whole_and_partial_pages_through_to_the_cluster() {
     f.read_exact_at(&mut got, 0).expect("read back");
     assert!(got == want, "the mount does not read back what was written");
     // Through a client of its own.
-    let follower = MapFollower::start(&cluster.coord_addr(), TOKEN).expect("follower");
-    let client = ClusterClient::new(follower, TOKEN, ClientConfig::default()).expect("client");
+    let client = cluster.client();
     let mut buf = vec![0u8; PS];
     for p in [10u64, 20, 30, 31, 40, 41, 42, PAGES - 1] {
         client.read_page(p, &mut buf).expect("client read");

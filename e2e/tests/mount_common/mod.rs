@@ -110,6 +110,14 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
+    /// A client of the cluster (its own map follower), as another program
+    /// would have: what the tests write "elsewhere" with.
+    pub fn client(&self) -> pagewire_client::ClusterClient {
+        let follower =
+            pagewire_client::MapFollower::start(&self.coord_addr(), TOKEN).expect("follower");
+        pagewire_client::ClusterClient::new(follower, TOKEN, Default::default()).expect("client")
+    }
+
     /// A cluster of `nodes` nodes of `frames` frames each over a backing
     /// file that `make` writes (at the path it is given); waits until it is
     /// settled.
