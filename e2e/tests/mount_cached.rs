@@ -175,11 +175,7 @@ fn a_page_written_through_a_cached_mount_is_dropped_so_a_later_write_elsewhere_i
     let t0 = Instant::now();
     let cluster = Cluster::pattern(3, PAGES * PS as u64);
     let m = Mount::start(&cluster, "mnt", &["--cached", "1", "--writable"]);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(m.file())
-        .expect("open");
+    let f = m.open_rw();
     let client = cluster.client();
     // A whole page written through the mount, never read: the kernel keeps
     // the bytes it wrote.

@@ -26,11 +26,7 @@ fn a_run_read_ahead_is_checked_against_writes_acknowledged_before_the_read() {
         "mnt",
         &["--transport", "tcp", "--writable", "--deadline-ms", "20000"],
     );
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(m.file())
-        .expect("open");
+    let f = m.open_rw();
     let client = cluster.client();
     let mut want = std::fs::read(cluster.backing()).unwrap();
     let run_bytes = RUN as usize * PS;

@@ -37,11 +37,7 @@ fn a_writable_mount_writes_whole_and_partial_pages_through_to_the_cluster() {
     let m = Mount::start(&cluster, "mnt", &["--writable"]);
     let md = std::fs::metadata(m.file()).unwrap();
     assert_eq!(md.permissions().mode() & 0o777, 0o644);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(m.file())
-        .expect("open for writing");
+    let f = m.open_rw();
     // What the file should hold, kept up to date with every write.
     let mut want = std::fs::read(cluster.backing()).unwrap();
     let mut put = |f: &std::fs::File, off: u64, data: &[u8]| {

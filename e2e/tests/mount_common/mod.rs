@@ -264,6 +264,15 @@ impl Mount {
         self.dir.join("data")
     }
 
+    /// The file opened for reading and writing (a `--writable` mount).
+    pub fn open_rw(&self) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(self.file())
+            .expect("open the mount's file for reading and writing")
+    }
+
     /// SIGTERM; the exit status (10 s at most) and whether the mount point
     /// is unmounted after it.
     pub fn stop(&mut self) -> (ExitStatus, bool) {
