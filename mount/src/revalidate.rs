@@ -88,6 +88,32 @@ struct Table {
     full: bool,
 }
 
+impl Table {
+    /// Makes `pages` the record of run `key` (`key.1` pages), unless one
+    /// is there and `replace` is false. Marks the table full instead, and
+    /// returns false, when that could take it past `max_pages`.
+    fn put(
+        &mut self,
+        key: (u64, u64),
+        pages: Option<Vec<ReadInfo>>,
+        max_pages: usize,
+        replace: bool,
+    ) -> bool {
+        let len = key.1 as usize;
+        let there = self.runs.contains_key(&key);
+        let old = if there && replace { len } else { 0 };
+        if self.pages - old + len > max_pages {
+            self.full = true;
+            return false;
+        }
+        if !there || replace {
+            self.pages = self.pages - old + len;
+            self.runs.insert(key, pages);
+        }
+        true
+    }
+}
+
 /// The records of one cached mount ([`crate::Consistency::Cached`]).
 pub struct Revalidator {
     table: Mutex<Table>,
@@ -155,15 +181,7 @@ impl Revalidator {
     }
 
     fn insert(&self, key: (u64, u64), pages: Option<Vec<ReadInfo>>) {
-        let mut t = self.lock();
-        let len = key.1 as usize;
-        let old = if t.runs.contains_key(&key) { len } else { 0 };
-        if t.pages - old + len > self.max_pages {
-            t.full = true;
-            return;
-        }
-        t.pages = t.pages - old + len;
-        t.runs.insert(key, pages);
+        self.lock().put(key, pages, self.max_pages, true);
     }
 
     /// One period's revalidation: checks every recorded run with
@@ -211,18 +229,12 @@ impl Revalidator {
                 }
             }
         }
-        let mut guard = self.lock();
-        let t = &mut *guard;
+        let mut t = self.lock();
         for (key, pages) in kept {
-            if t.pages + pages.len() > self.max_pages {
-                // Only if reads filled the table while the checks ran: the
-                // next tick drops everything anyway.
-                t.full = true;
+            // Full only if reads filled the table while the checks ran: the
+            // next tick drops everything anyway.
+            if !t.put(key, Some(pages), self.max_pages, false) {
                 break;
-            }
-            if let std::collections::hash_map::Entry::Vacant(v) = t.runs.entry(key) {
-                t.pages += pages.len();
-                v.insert(Some(pages));
             }
         }
     }
