@@ -95,7 +95,7 @@ pub(super) enum Flavor {
 
 impl Flavor {
     /// What its name adds to the transport's.
-    pub(super) fn suffix(self) -> &'static str {
+    fn suffix(self) -> &'static str {
         match self {
             Flavor::Default => "",
             Flavor::NoAhead => "-noahead",
