@@ -485,39 +485,95 @@ impl ClusterClient {
     /// them by), and whenever the check itself fails (an unreachable
     /// owner, an expired trust window): the read again reports the error.
     pub fn still_current(&self, first: u64, pages: &[ReadInfo]) -> bool {
+        self.still_current_runs(&[(first, pages)])[0]
+    }
+
+    /// [`ClusterClient::still_current`] for several runs at once, one
+    /// answer per run, in order: every page of every run is checked under
+    /// one map and one trust window, and each node's pages, whichever runs
+    /// they belong to, in one batch ([`crate::RemoteReader::current_each`]:
+    /// one READ per page, one doorbell per transport batch), so checking
+    /// many runs costs about one round trip per node instead of one per
+    /// run and node. A node that cannot be reached makes only the runs
+    /// with pages on it `false`.
+    pub fn still_current_runs(&self, runs: &[(u64, &[ReadInfo])]) -> Vec<bool> {
+        /// One node's pages to check: the node, the first page asked of it
+        /// (named in errors), the copies and the run of each.
+        struct Ask<'m> {
+            node: &'m pagewire_proto::v1::MapNode,
+            first: u64,
+            copies: Vec<crate::pool::FrameCopy>,
+            runs: Vec<usize>,
+        }
         let deadline = Instant::now() + self.cfg.op_deadline;
         self.with_snapshot(|snap| {
+            let mut current = vec![false; runs.len()];
             let Some(trust) = snap.trust_until else {
-                return false;
+                return current;
             };
             if !snap.trusted(crate::clock::now()) {
-                return false;
+                return current;
             }
             let opts = RunOptions {
                 trust_until: Some(trust),
                 map_epoch: snap.map.epoch,
                 deadline: Some(deadline),
             };
-            let mut i = 0;
-            while i < pages.len() {
-                let at = first + i as u64;
-                let Ok((index, node)) = reader_of(&snap.map, at) else {
-                    return false;
-                };
-                let n = same_reader(&snap.map, at, pages.len() - i, index);
-                let mut copies = Vec::with_capacity(n);
-                for p in &pages[i..i + n] {
-                    match p.copy {
-                        Some(c) if p.owner == index => copies.push(c),
-                        _ => return false,
+            let mut asks: Vec<(u32, Ask<'_>)> = Vec::new();
+            // The run being looked at, by node: (node index, node, first
+            // page of the segment, its pages).
+            let mut segments = Vec::new();
+            'runs: for (r, &(first, pages)) in runs.iter().enumerate() {
+                // A run is asked only if every page of it can be checked.
+                segments.clear();
+                let mut i = 0;
+                while i < pages.len() {
+                    let at = first + i as u64;
+                    let Ok((index, node)) = reader_of(&snap.map, at) else {
+                        continue 'runs;
+                    };
+                    let n = same_reader(&snap.map, at, pages.len() - i, index);
+                    let segment = &pages[i..i + n];
+                    if !segment.iter().all(|p| p.copy.is_some() && p.owner == index) {
+                        continue 'runs;
                     }
+                    segments.push((index, node, at, segment));
+                    i += n;
                 }
-                if !matches!(self.pool.still_current(node, at, &copies, &opts), Ok(true)) {
-                    return false;
+                current[r] = true;
+                for &(index, node, at, segment) in &segments {
+                    let k = match asks.iter().position(|(i, _)| *i == index) {
+                        Some(k) => k,
+                        None => {
+                            let ask = Ask {
+                                node,
+                                first: at,
+                                copies: Vec::new(),
+                                runs: Vec::new(),
+                            };
+                            asks.push((index, ask));
+                            asks.len() - 1
+                        }
+                    };
+                    let ask = &mut asks[k].1;
+                    ask.copies.extend(segment.iter().filter_map(|p| p.copy));
+                    ask.runs.extend(std::iter::repeat_n(r, segment.len()));
                 }
-                i += n;
             }
-            true
+            for (_, ask) in &asks {
+                match self
+                    .pool
+                    .current_each(ask.node, ask.first, &ask.copies, &opts)
+                {
+                    Ok(answers) => {
+                        for (ok, &r) in answers.into_iter().zip(&ask.runs) {
+                            current[r] &= ok;
+                        }
+                    }
+                    Err(_) => ask.runs.iter().for_each(|&r| current[r] = false),
+                }
+            }
+            current
         })
     }
 

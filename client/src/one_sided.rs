@@ -375,17 +375,26 @@ impl<C: Connection> RemoteReader<C> {
     /// not a live one): read the pages again. Errors are a read's (the
     /// trust window checked before and after, as for a read).
     pub fn still_current(&mut self, frames: &[(u32, u64)]) -> Result<bool, RemoteError> {
+        Ok(self.current_each(frames)?.iter().all(|&c| c))
+    }
+
+    /// [`RemoteReader::still_current`] for each `(frame, generation)` on
+    /// its own: one answer per entry, in order, from the same READs (one
+    /// per frame, under one doorbell per [`Connection::limits`] batch), so
+    /// a caller checking several copies at once learns which moved on.
+    /// An entry out of range or with an even (not live) generation is
+    /// `false` without a READ. Errors are a read's and cover every entry.
+    pub fn current_each(&mut self, frames: &[(u32, u64)]) -> Result<Vec<bool>, RemoteError> {
         let l = self.sb.layout;
-        if frames
-            .iter()
-            .any(|&(f, g)| f as usize >= l.frame_count || g % 2 == 0)
-        {
-            return Ok(false);
+        let checkable = |&(f, g): &(u32, u64)| (f as usize) < l.frame_count && g % 2 == 1;
+        let asked: Vec<(u32, u64)> = frames.iter().copied().filter(checkable).collect();
+        if asked.is_empty() {
+            return Ok(vec![false; frames.len()]);
         }
         self.check_lease()?;
-        let mut words = vec![0u8; frames.len() * 8];
+        let mut words = vec![0u8; asked.len() * 8];
         let batch = self.conn.limits().max_outstanding.max(1);
-        for (chunk, buf) in frames.chunks(batch).zip(words.chunks_mut(batch * 8)) {
+        for (chunk, buf) in asked.chunks(batch).zip(words.chunks_mut(batch * 8)) {
             let mut reads: Vec<(u64, &mut [u8])> = chunk
                 .iter()
                 .zip(buf.chunks_exact_mut(8))
@@ -397,13 +406,16 @@ impl<C: Connection> RemoteReader<C> {
             read_all(&mut self.conn, self.desc, &mut reads)?;
             self.stats.round_trips += 1;
         }
-        let same = frames
-            .iter()
-            .zip(words.chunks_exact(8))
-            .all(|(&(_, g), w)| u64::from_le_bytes(w.try_into().expect("8 bytes")) == g);
         // The words are good only if the map still was when they arrived.
         self.check_lease()?;
-        Ok(same)
+        let mut got = asked
+            .iter()
+            .zip(words.chunks_exact(8))
+            .map(|(&(_, g), w)| u64::from_le_bytes(w.try_into().expect("8 bytes")) == g);
+        Ok(frames
+            .iter()
+            .map(|e| checkable(e) && got.next().expect("one word per entry asked"))
+            .collect())
     }
 
     /// Read `page` into `out` (at least `page_size` bytes; the bytes past

@@ -168,7 +168,7 @@ pub struct PageRead {
     pub len: usize,
     /// The owner's frame the copy is of, when it is one (a hit, or a page
     /// the owner faulted in and cached): what
-    /// [`OwnerPool::still_current`] checks.
+    /// [`OwnerPool::current_each`] checks.
     pub copy: Option<FrameCopy>,
 }
 
@@ -422,34 +422,43 @@ impl OwnerPool {
         }
     }
 
-    /// Whether copies `owner` gave earlier (a [`PageRead::copy`] each) are
-    /// still the pages' content: one READ of each frame's generation word
-    /// ([`crate::RemoteReader::still_current`]). `false` as well when a
-    /// copy is of another incarnation of the owner's region than the one
-    /// `owner` names now. Errors are a read's; the trust window in `opts`
-    /// bounds the check as it bounds a read; `first` is the first page
-    /// checked, named in errors.
-    pub fn still_current(
+    /// Whether each copy `owner` gave earlier (a [`PageRead::copy`] each)
+    /// is still its page's content: one READ of each frame's generation
+    /// word ([`crate::RemoteReader::current_each`]), one answer per copy,
+    /// in order. `false` as well for a copy of another incarnation of the
+    /// owner's region than the one `owner` names now. Errors are a read's
+    /// and cover every copy; the trust window in `opts` bounds the check
+    /// as it bounds a read; `first` is the first page checked, named in
+    /// errors.
+    pub fn current_each(
         &self,
         owner: &MapNode,
         first: u64,
         copies: &[FrameCopy],
         opts: &RunOptions,
-    ) -> Result<bool, PoolError> {
+    ) -> Result<Vec<bool>, PoolError> {
         let want = owner::region_epoch(owner);
-        if copies.iter().any(|c| Some(c.region_epoch) != want) {
-            return Ok(false);
+        // A copy of another incarnation is never current, and not asked.
+        let same = |c: &FrameCopy| Some(c.region_epoch) == want;
+        let frames: Vec<(u32, u64)> = copies
+            .iter()
+            .filter(|c| same(c))
+            .map(|c| (c.frame, c.generation))
+            .collect();
+        if frames.is_empty() {
+            return Ok(vec![false; copies.len()]);
         }
-        if copies.is_empty() {
-            return Ok(true);
-        }
-        let frames: Vec<(u32, u64)> = copies.iter().map(|c| (c.frame, c.generation)).collect();
-        self.with_reader(owner, |_, o| {
+        let answers = self.with_reader(owner, |_, o| {
             o.reader.trust(opts.trust_until);
             o.reader
-                .still_current(&frames)
+                .current_each(&frames)
                 .map_err(|e| reader_failed(owner, first, e))
-        })
+        })?;
+        let mut answers = answers.into_iter();
+        Ok(copies
+            .iter()
+            .map(|c| same(c) && answers.next().expect("one answer per copy asked"))
+            .collect())
     }
 
     /// Closes `conn`, keeping its counters.

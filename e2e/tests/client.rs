@@ -971,6 +971,156 @@ fn a_copy_of_a_restarted_owner_is_not_current_though_its_frame_and_generation_ma
     );
 }
 
+/// `still_current_runs` checks many runs in about one round trip per owner
+/// and says which of them changed, where one `still_current` call per run
+/// costs a round trip per run (what the cached mount's tick did before).
+/// Two owners over tcp; 64 runs of 4 pages, one per extent, so the runs
+/// alternate between them.
+#[test]
+fn checking_many_runs_at_once_costs_a_round_trip_per_owner_not_per_run() {
+    let _serial = serial();
+    let mut c = cluster(3000);
+    c.start_node("m1", 1024);
+    c.start_node("m2", 1024);
+    c.wait_stable(2);
+    let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+    let client = ClusterClient::new(
+        follower,
+        TOKEN,
+        config(ReadPath::OneSided, TransportChoice::Tcp),
+    )
+    .expect("client");
+    const RUNS: u64 = 64;
+    const LEN: usize = 4;
+    let per_extent = EXTENT / PS as u64;
+    let mut buf = vec![0u8; LEN * PS];
+    let infos: Vec<(u64, Vec<pagewire_client::cluster::ReadInfo>)> = (0..RUNS)
+        .map(|r| {
+            let first = r * per_extent;
+            // The first read faults the pages in; the second is the copy.
+            client.read_run(first, LEN, &mut buf).expect("cold read");
+            let pages = client.read_run(first, LEN, &mut buf).expect("read").pages;
+            for (i, chunk) in buf.chunks(PS).enumerate() {
+                let page = first + i as u64;
+                assert_eq!(check(page, chunk, PS), Ok(0), "page {page}");
+            }
+            (first, pages)
+        })
+        .collect();
+    let owners: std::collections::BTreeSet<u32> = infos
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|i| i.owner))
+        .collect();
+    assert_eq!(owners.len(), 2, "the runs are spread over both owners");
+    let runs: Vec<(u64, &[_])> = infos.iter().map(|(f, p)| (*f, &p[..])).collect();
+    let trips = || client.stats().reader.round_trips;
+
+    let t = trips();
+    let all = client.still_current_runs(&runs);
+    let batched = trips() - t;
+    assert_eq!(all, vec![true; RUNS as usize], "untouched runs");
+    let t = trips();
+    for &(first, pages) in &runs {
+        assert!(client.still_current(first, pages), "run at page {first}");
+    }
+    let per_run = trips() - t;
+    assert!(
+        batched <= owners.len() as u64,
+        "{batched} round trips to check {RUNS} runs at once on {} owners",
+        owners.len()
+    );
+    assert!(
+        per_run >= RUNS,
+        "{per_run} round trips for {RUNS} single checks"
+    );
+
+    // A write to one page of run 10: only that run is not current.
+    let page = 10 * per_extent + 2;
+    let mut bytes = vec![0u8; PS];
+    pattern::fill(page, 5, &mut bytes);
+    client.write_page(page, &bytes).expect("write");
+    let now = client.still_current_runs(&runs);
+    let changed: Vec<usize> = (0..now.len()).filter(|&r| !now[r]).collect();
+    assert_eq!(
+        changed,
+        vec![10],
+        "runs not current after a write to run 10"
+    );
+    eprintln!(
+        "MEASURE {RUNS} runs on {} owners: {batched} round trips checked at once, {per_run} one run at a time",
+        owners.len()
+    );
+}
+
+/// The median of five timings of `f`, in ms.
+fn median_ms(mut f: impl FnMut()) -> f64 {
+    let mut t: Vec<f64> = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            t0.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[2]
+}
+
+/// What checking earlier copies costs: `still_current_runs` against one
+/// `still_current` call per run, over shm and tcp, for runs of 1, 32 and
+/// 256 pages. A measurement, not run by default (about a minute in
+/// release): `cargo test --release -p pagewire-e2e --test client --
+/// --ignored --nocapture checking_runs_at_once`. Every check must find
+/// every untouched run current.
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn checking_runs_at_once_against_one_at_a_time() {
+    const BIG: u64 = 65536;
+    let mut c = Cluster::new(common::daemons(), TOKEN, 3000, 1 << 20, "data");
+    pattern::generate_file(&c.backing, BIG * PS as u64, PS).expect("data file");
+    c.start_coordinator();
+    for n in ["m1", "m2", "m3"] {
+        c.start_node(n, 30000);
+    }
+    c.wait_stable(3);
+    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+        let follower = MapFollower::start(&c.coord_addr(), TOKEN).expect("follower");
+        let cfg = config(ReadPath::OneSided, transport);
+        let client = ClusterClient::new(follower, TOKEN, cfg).expect("client");
+        for len in [1usize, 32, 256] {
+            let count = (60000 / len).min(4096);
+            let stride = BIG / count as u64;
+            let mut buf = vec![0u8; len * PS];
+            let infos: Vec<(u64, Vec<pagewire_client::cluster::ReadInfo>)> = (0..count as u64)
+                .map(|r| {
+                    let first = r * stride;
+                    // The first read faults the pages in; the second is the copy.
+                    client.read_run(first, len, &mut buf).expect("cold read");
+                    let pages = client.read_run(first, len, &mut buf).expect("read").pages;
+                    (first, pages)
+                })
+                .collect();
+            let runs: Vec<(u64, &[pagewire_client::cluster::ReadInfo])> =
+                infos.iter().map(|(f, p)| (*f, &p[..])).collect();
+            let all = |runs: &[(u64, &[pagewire_client::cluster::ReadInfo])]| {
+                assert!(client.still_current_runs(runs).iter().all(|&c| c));
+            };
+            let at_once = median_ms(|| all(&runs));
+            // As the cached mount's tick calls it (revalidate::CHECK_PAGES).
+            let grouped = median_ms(|| runs.chunks((4096 / len).max(1)).for_each(all));
+            let one_by_one = median_ms(|| {
+                for &(first, pages) in &runs {
+                    assert!(client.still_current(first, pages));
+                }
+            });
+            eprintln!(
+                "MEASURE {transport:?}: {count} runs of {len} pages: at once {at_once:.2} ms, \
+                 in groups of 4,096 pages {grouped:.2} ms, one run at a time {one_by_one:.2} ms \
+                 (medians of 5)"
+            );
+        }
+    }
+}
+
 /// The graceful shutdown: SIGTERM on an owner under a tcp read loop. Its
 /// `/readyz` turns 503 at once, the coordinator moves its extents through a
 /// planned handoff (it keeps answering reads of them until released), it

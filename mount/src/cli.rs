@@ -231,7 +231,7 @@ fn run(args: Args) -> anyhow::Result<()> {
                     loop {
                         std::thread::sleep(every);
                         revalidator.tick(
-                            |first, pages| source.still_current(first, pages),
+                            |runs| source.still_current_runs(runs),
                             |what| {
                                 // Offset 0, length 0: every cached page of the file.
                                 let (offset, len) = match what {

@@ -90,6 +90,13 @@ impl Source {
         self.client.still_current(first, pages)
     }
 
+    /// [`Source::still_current`] for several runs at once, one answer per
+    /// run, each node's pages in one batch
+    /// ([`ClusterClient::still_current_runs`]).
+    pub fn still_current_runs(&self, runs: &[(u64, &[ReadInfo])]) -> Vec<bool> {
+        self.client.still_current_runs(runs)
+    }
+
     /// Writes `page` whole (`data` is its valid length) through its owner;
     /// returns once the backing file has it.
     pub fn write_page(&self, page: u64, data: &[u8]) -> Result<(), SourceError> {

@@ -119,8 +119,8 @@ impl Reader {
         each!(self, r => r.learn(page, frame, generation));
     }
 
-    pub(crate) fn still_current(&mut self, frames: &[(u32, u64)]) -> Result<bool, RemoteError> {
-        each!(self, r => r.still_current(frames))
+    pub(crate) fn current_each(&mut self, frames: &[(u32, u64)]) -> Result<Vec<bool>, RemoteError> {
+        each!(self, r => r.current_each(frames))
     }
 
     pub(crate) fn trust(&mut self, until: Option<Instant>) {
