@@ -387,34 +387,33 @@ impl<C: Connection> RemoteReader<C> {
     pub fn current_each(&mut self, frames: &[(u32, u64)]) -> Result<Vec<bool>, RemoteError> {
         let l = self.sb.layout;
         let checkable = |&(f, g): &(u32, u64)| (f as usize) < l.frame_count && g % 2 == 1;
-        let asked: Vec<(u32, u64)> = frames.iter().copied().filter(checkable).collect();
-        if asked.is_empty() {
+        if !frames.iter().any(checkable) {
             return Ok(vec![false; frames.len()]);
         }
         self.check_lease()?;
-        let mut words = vec![0u8; asked.len() * 8];
+        let mut words = vec![0u8; frames.len() * 8];
         let batch = self.conn.limits().max_outstanding.max(1);
-        for (chunk, buf) in asked.chunks(batch).zip(words.chunks_mut(batch * 8)) {
+        for (chunk, buf) in frames.chunks(batch).zip(words.chunks_mut(batch * 8)) {
             let mut reads: Vec<(u64, &mut [u8])> = chunk
                 .iter()
                 .zip(buf.chunks_exact_mut(8))
+                .filter(|(e, _)| checkable(e))
                 .map(|(&(f, _), w)| {
                     let at = l.header(f as usize) + pagewire_layout::hdr::GENERATION;
                     (at as u64, w)
                 })
                 .collect();
-            read_all(&mut self.conn, self.desc, &mut reads)?;
-            self.stats.round_trips += 1;
+            if !reads.is_empty() {
+                read_all(&mut self.conn, self.desc, &mut reads)?;
+                self.stats.round_trips += 1;
+            }
         }
         // The words are good only if the map still was when they arrived.
         self.check_lease()?;
-        let mut got = asked
-            .iter()
-            .zip(words.chunks_exact(8))
-            .map(|(&(_, g), w)| u64::from_le_bytes(w.try_into().expect("8 bytes")) == g);
         Ok(frames
             .iter()
-            .map(|e| checkable(e) && got.next().expect("one word per entry asked"))
+            .zip(words.chunks_exact(8))
+            .map(|(e, w)| checkable(e) && u64::from_le_bytes(w.try_into().expect("8 bytes")) == e.1)
             .collect())
     }
 

@@ -438,27 +438,25 @@ impl OwnerPool {
         opts: &RunOptions,
     ) -> Result<Vec<bool>, PoolError> {
         let want = owner::region_epoch(owner);
-        // A copy of another incarnation is never current, and not asked.
-        let same = |c: &FrameCopy| Some(c.region_epoch) == want;
+        // A copy of another incarnation is never current: asked with
+        // generation 0, which no live frame has, it is answered `false`
+        // with no READ.
         let frames: Vec<(u32, u64)> = copies
             .iter()
-            .filter(|c| same(c))
-            .map(|c| (c.frame, c.generation))
+            .map(|c| match Some(c.region_epoch) == want {
+                true => (c.frame, c.generation),
+                false => (c.frame, 0),
+            })
             .collect();
-        if frames.is_empty() {
+        if frames.iter().all(|&(_, g)| g == 0) {
             return Ok(vec![false; copies.len()]);
         }
-        let answers = self.with_reader(owner, |_, o| {
+        self.with_reader(owner, |_, o| {
             o.reader.trust(opts.trust_until);
             o.reader
                 .current_each(&frames)
                 .map_err(|e| reader_failed(owner, first, e))
-        })?;
-        let mut answers = answers.into_iter();
-        Ok(copies
-            .iter()
-            .map(|c| same(c) && answers.next().expect("one answer per copy asked"))
-            .collect())
+        })
     }
 
     /// Closes `conn`, keeping its counters.
