@@ -198,8 +198,8 @@ impl Revalidator {
 
     /// One period's revalidation: checks every recorded run with
     /// `still_current(runs)` (one answer per `(first, pages)` run, in order;
-    /// runs are passed in groups of up to [`CHECK_PAGES`] pages) and asks `invalidate` to drop each run that
-    /// is not current (or the whole file, once, when the table was full),
+    /// runs are passed in groups of about [`CHECK_PAGES`] pages, a run never
+    /// split) and asks `invalidate` to drop each run that is not current (or the whole file, once, when the table was full),
     /// then keeps the records of the current runs. Reads recorded while it
     /// runs are kept for the next tick (a record of the same run made
     /// meanwhile is newer than the one checked, and wins). Runs written
@@ -229,23 +229,23 @@ impl Revalidator {
             return;
         }
         let mut kept = Vec::with_capacity(taken.runs.len());
-        // Written runs: dropped unchecked. Read runs: checked in groups.
-        let (read, written): (Vec<_>, Vec<_>) = taken
-            .runs
-            .into_iter()
-            .partition(|(_, pages)| pages.is_some());
         self.checked
-            .fetch_add((read.len() + written.len()) as u64, Ordering::Relaxed);
-        for ((first, count), _) in written {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            invalidate(Invalidate::Run { first, count });
+            .fetch_add(taken.runs.len() as u64, Ordering::Relaxed);
+        // Written runs: dropped unchecked. Read runs: checked in groups.
+        let mut read = Vec::with_capacity(taken.runs.len());
+        for ((first, count), pages) in taken.runs {
+            match pages {
+                Some(pages) => read.push(((first, count), pages)),
+                None => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    invalidate(Invalidate::Run { first, count });
+                }
+            }
         }
-        let mut read = read
-            .into_iter()
-            .map(|(key, pages)| (key, pages.unwrap_or_default()));
+        let mut read = read.into_iter();
         let mut group: Vec<((u64, u64), Vec<ReadInfo>)> = Vec::new();
         loop {
-            group.clear();
+            // Empty here: the previous group was drained below.
             let mut pages = 0;
             while pages < CHECK_PAGES {
                 let Some(run) = read.next() else { break };
