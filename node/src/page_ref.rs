@@ -79,14 +79,15 @@ impl Drop for PageRef<'_> {
 }
 
 /// A pin of crossbeam-epoch's default collector, for
-/// [`crate::PageCache::lookup_pinned`]: while it lives, no frame a pinned
-/// lookup lent is reused (every free of a published frame waits until
+/// [`crate::PageCache::lookup_pinned`]: while it lives (until its next
+/// [`Pin::repin`]), no frame a pinned lookup lent is reused (every free of a published frame waits until
 /// every pin older than the free has dropped). Hold it for a batch of
 /// lookups, not across anything that blocks: frames freed meanwhile stay
 /// out of use until it drops, so a fault, a write or a flight wait made
 /// while this thread holds a pin may find no frame
 /// ([`crate::ReadError::NoFrame`]) in a cache under pressure. Not `Send`:
-/// it belongs to the thread that pinned.
+/// it belongs to the thread that pinned. A thread reading one page at a
+/// time keeps one and calls [`Pin::repin`] between lookups.
 pub struct Pin(pub(crate) crossbeam_epoch::Guard);
 
 impl Pin {
@@ -94,6 +95,26 @@ impl Pin {
     #[inline(always)]
     pub fn new() -> Self {
         Self(crossbeam_epoch::pin())
+    }
+
+    /// Move this pin to the epoch of now, as dropping it and pinning again
+    /// would, for a thread that looks up one page at a time and keeps its
+    /// pin between lookups. `&mut` ends every borrow of bytes lent under
+    /// the pin before; bytes lent after it are protected as under a fresh
+    /// pin (`raw::frames`, "Guard-scoped readers": the epoch store, then a
+    /// SeqCst fence, then the lookups). What it saves is the fresh pin's
+    /// shared traffic: crossbeam's `pin` tries to advance the global epoch
+    /// and collect garbage every 128 pins, which bounces the global epoch's
+    /// cache line between readers of one hot page; a repin only reads it
+    /// (and stores the thread's own epoch when it moved). So a repinning
+    /// reader never helps reclaim: the threads that free frames (eviction,
+    /// writes, faults) drive the epoch. The thread stays pinned between
+    /// lookups, so drop the pin before anything that blocks, as for any
+    /// [`Pin`]. A nested pin (another `Pin` of this thread alive) does not
+    /// move: it stays at its older epoch, which protects at least as much.
+    #[inline(always)]
+    pub fn repin(&mut self) {
+        crate::sync::repin(&mut self.0);
     }
 }
 

@@ -42,6 +42,18 @@ pub(crate) fn retry_hint() {
     std::hint::spin_loop();
 }
 
+/// `Pin::repin` of a guard (the loom models repin theirs): moves a pinned
+/// thread to the epoch of now, protecting what it looks up next as a fresh
+/// pin would (`raw::frames`, "Guard-scoped readers").
+#[inline(always)]
+pub(crate) fn repin(guard: &mut crossbeam_epoch::Guard) {
+    // crossbeam's repin stores the new epoch (Release) when it moved, with
+    // no fence; the fence makes it a fresh pin's store-then-fence, which
+    // the frames protocol's argument takes before a reader's loads.
+    guard.repin();
+    fence(Ordering::SeqCst);
+}
+
 /// Lock a mutex, taking the data even if a panicking thread poisoned it: every
 /// structure guarded this way is left consistent at each unlock point.
 #[inline]

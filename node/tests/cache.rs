@@ -702,6 +702,56 @@ fn pinned_lookups_outlive_writes_and_evictions_every_variant() {
     pinned_lookups_outlive_writes_and_evictions::<Sharded>();
 }
 
+/// A thread that keeps its pin and repins it (`Pin::repin`) between lookups
+/// does not hold back what was freed before: another thread's fault that
+/// needs a frame freed while the pin was older gets it once the pin moves.
+/// Held without repinning, the same pin keeps that fault at `NoFrame`.
+#[test]
+fn a_repinned_pin_lets_frames_freed_before_it_come_back() {
+    let (_d, path) = file(16, 0);
+    let c = PageCache::<Lockless>::open_with(
+        &path,
+        CacheConfig {
+            readahead_max: 0,
+            ..cfg(4)
+        },
+    )
+    .unwrap();
+    for p in 0..4 {
+        drop(c.get(p).unwrap());
+    }
+    let mut pin = Pin::new();
+    assert_eq!(
+        pattern::verify(0, c.lookup_pinned(0, &pin).unwrap()).unwrap(),
+        0
+    );
+    // Every frame is freed while the pin lives: each waits for it.
+    for p in 0..4 {
+        assert_eq!(c.evict(p), Evicted::Yes);
+    }
+    let fault = |page| std::thread::scope(|s| s.spawn(|| c.get(page).map(drop)).join().unwrap());
+    assert!(
+        matches!(fault(5), Err(ReadError::NoFrame)),
+        "a held pin keeps the frames freed after it out of use"
+    );
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let got = std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            let r = c.get(6).map(drop);
+            done.store(true, std::sync::atomic::Ordering::Release);
+            r
+        });
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            pin.repin();
+            assert!(c.lookup_pinned(0, &pin).is_none(), "page 0 was evicted");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        t.join().unwrap()
+    });
+    got.expect("a fault while the pin moves gets a frame freed before");
+    pattern::verify(6, c.lookup_pinned(6, &pin).unwrap()).unwrap();
+}
+
 /// A write that finds every frame held by readers reports
 /// `WriteError::NoFrame`, the variant callers match on (it came back as
 /// `WriteError::Read(NoFrame)` before, which the stress writer's

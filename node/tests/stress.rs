@@ -220,10 +220,12 @@ fn stress<I: Index>(seed: u64, policy: CachePolicy) {
     );
 }
 
-/// Guard-scoped lookups of pages `p..p + run` (at least 4) under one pin:
-/// each hit verified when lent, then every one verified again just before
-/// the pin drops, so bytes the cache lent must not change while evictions,
-/// writes and refills go on. A miss is faulted in after the pin drops.
+/// Guard-scoped lookups of pages `p..p + run` (at least 4) under one pin,
+/// repinned (`Pin::repin`) halfway: each hit verified when lent, then every
+/// one of the half verified again just before the repin (or the drop), so
+/// bytes the cache lent must not change while evictions, writes and refills
+/// go on, and a repin must protect the second half as a fresh pin would. A
+/// miss is faulted in after the pin drops.
 fn pinned_reads<I: Index>(
     cache: &PageCache<I>,
     acked: &[AtomicU64],
@@ -231,34 +233,40 @@ fn pinned_reads<I: Index>(
     p: u64,
     run: u64,
 ) {
-    let pin = Pin::new();
-    let mut lent = Vec::new();
+    let pages: Vec<u64> = (p..(p + run.max(4)).min(PAGES)).collect();
+    let (first, second) = pages.split_at(pages.len() / 2);
+    let mut pin = Pin::new();
     let mut missed = Vec::new();
-    for p in p..(p + run.max(4)).min(PAGES) {
-        let before = acked[p as usize].load(Ordering::Acquire);
-        let Some(b) = cache.lookup_pinned(p, &pin) else {
-            missed.push(p);
-            continue;
-        };
-        let generation = pattern::verify(p, b).unwrap_or_else(|e| panic!("pinned read: {e}"));
-        assert!(
-            generation >= before,
-            "page {p}: read generation {generation} after {before} was acknowledged"
-        );
-        tally.reads.fetch_add(1, Ordering::Relaxed);
-        tally.bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
-        lent.push((p, generation, b));
+    for (i, half) in [first, second].into_iter().enumerate() {
+        if i > 0 {
+            pin.repin();
+        }
+        let mut lent = Vec::new();
+        for &p in half {
+            let before = acked[p as usize].load(Ordering::Acquire);
+            let Some(b) = cache.lookup_pinned(p, &pin) else {
+                missed.push(p);
+                continue;
+            };
+            let generation = pattern::verify(p, b).unwrap_or_else(|e| panic!("pinned read: {e}"));
+            assert!(
+                generation >= before,
+                "page {p}: read generation {generation} after {before} was acknowledged"
+            );
+            tally.reads.fetch_add(1, Ordering::Relaxed);
+            tally.bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+            lent.push((p, generation, b));
+        }
+        for (p, generation, b) in &lent {
+            let again = pattern::verify(*p, b)
+                .unwrap_or_else(|e| panic!("lent bytes changed under the pin: {e}"));
+            assert_eq!(
+                again, *generation,
+                "page {p}: lent bytes changed under the pin"
+            );
+        }
+        tally.pinned.fetch_add(lent.len() as u64, Ordering::Relaxed);
     }
-    for (p, generation, b) in &lent {
-        let again = pattern::verify(*p, b)
-            .unwrap_or_else(|e| panic!("lent bytes changed under the pin: {e}"));
-        assert_eq!(
-            again, *generation,
-            "page {p}: lent bytes changed under the pin"
-        );
-    }
-    tally.pinned.fetch_add(lent.len() as u64, Ordering::Relaxed);
-    drop(lent);
     drop(pin);
     for p in missed {
         match cache.get(p) {

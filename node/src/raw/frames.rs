@@ -145,6 +145,23 @@
 //! argument, so `page` and `len` read after the generation are the
 //! incarnation's.
 //!
+//! A repin (`Pin::repin`: a thread that keeps its pin between lookups)
+//! protects the lookups after it as a fresh pin does. crossbeam's repin
+//! reads the global epoch `e1` and stores it as the thread's (Release) if
+//! it moved; `Pin::repin` then issues a SeqCst fence `Fr`, as a fresh pin
+//! does after its store, so the argument above holds with `e1`: if the
+//! reader's load after `Fr` saw `G`, `Fr` precedes the sealing fence `Fs`
+//! in the SeqCst order. The seal's epoch `s` is then at least `e1`: were it
+//! older, the seal's read (after `Fs`) would be coherence-ordered before the
+//! reader's read of `e1` (before `Fr`), which puts `Fs` before `Fr`. So the
+//! bag expires at `s + 2 > e1 + 1`, which needs the reader seen at `e1 + 1`
+//! or later: after its next repin or unpin, which `&mut` puts after every
+//! use of bytes lent before it. Without the fence that order is not given
+//! (crossbeam's own repin guarantees only its own pointers' lifetimes).
+//! Bytes lent before the repin are out of reach (`&mut`). A repin that
+//! finds the epoch unmoved stores nothing: the earlier store and fence
+//! still precede the loads.
+//!
 //! Read freshness is a counted reader's: the copy is the page's content at
 //! the instant of the generation load; a write acknowledged before the pin
 //! invalidated every older copy first (transition 7), so it is never older.
@@ -155,7 +172,11 @@
 //! on the frame's shared refcount; frees wait a grace period, so up to one bag per thread
 //! (64) of freed frames is out of use at a time, and a thread that holds a
 //! pin while it faults can see [`crate::ReadError::NoFrame`] in a cache
-//! whose every free frame waits on that pin.
+//! whose every free frame waits on that pin. A repin costs a load of the
+//! global epoch, a store of the thread's own when it moved, and the fence;
+//! a fresh outermost pin also tries to advance the global epoch and collect
+//! every 128 pins, which writes the global epoch's line that every pin
+//! reads: the repinning readers of one hot page share nothing written.
 //!
 //! # Why a remote copy that validates is sound
 //!
