@@ -95,6 +95,9 @@ pub enum Mode {
     /// Pin the epoch, look up without a reference, check in place, unpin
     /// (a miss: unpin, then fault it in as zero-copy does).
     ZeroCopyPinned,
+    /// As `ZeroCopyPinned`, but the thread keeps its pin and repins it
+    /// before each lookup (`Pin::repin`: a reader of one page at a time).
+    ZeroCopyRepinned,
     /// Copy the page into the thread's buffer, check the header.
     Copy,
 }
@@ -104,6 +107,7 @@ impl Mode {
         match self {
             Mode::ZeroCopy => "zero_copy",
             Mode::ZeroCopyPinned => "zero_copy_pinned",
+            Mode::ZeroCopyRepinned => "zero_copy_repinned",
             Mode::Copy => "copy",
         }
     }
@@ -152,7 +156,12 @@ impl<I: Index> Target for PageCache<I> {
     }
 
     fn modes(&self) -> &'static [Mode] {
-        &[Mode::ZeroCopy, Mode::ZeroCopyPinned, Mode::Copy]
+        &[
+            Mode::ZeroCopy,
+            Mode::ZeroCopyPinned,
+            Mode::ZeroCopyRepinned,
+            Mode::Copy,
+        ]
     }
 
     fn measure(
@@ -193,6 +202,19 @@ impl<I: Index> Target for PageCache<I> {
                                 return check(p, b, all);
                             }
                             // A miss: fault it in unpinned.
+                            pin = None;
+                            let g = self.get(p)?;
+                            check(p, &g, all)
+                        }
+                        Mode::ZeroCopyRepinned => {
+                            match pin.as_mut() {
+                                Some(held) => held.repin(),
+                                None => pin = Some(Pin::new()),
+                            }
+                            let held = pin.as_ref().expect("pinned above");
+                            if let Some(b) = self.lookup_pinned(p, held) {
+                                return check(p, b, all);
+                            }
                             pin = None;
                             let g = self.get(p)?;
                             check(p, &g, all)
@@ -418,7 +440,12 @@ fn summarize(rows: &[Row]) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     let max_t = rows.iter().map(|r| r.threads).max().unwrap_or(1);
     for idx in ["lockless", "rwlock", "mutex", "sharded", "linux_pread"] {
-        for mode in ["zero_copy", "zero_copy_pinned", "copy"] {
+        for mode in [
+            "zero_copy",
+            "zero_copy_pinned",
+            "zero_copy_repinned",
+            "copy",
+        ] {
             for w in ["partitioned", "hot"] {
                 if let (Some(a), Some(b)) = (get(idx, mode, w, 1), get(idx, mode, w, 2)) {
                     out.push((format!("{idx} {mode} {w} 2-thread / 1-thread"), b / a));
@@ -449,7 +476,12 @@ fn summarize(rows: &[Row]) -> Vec<(String, f64)> {
     for t in [1, max_t] {
         if let Some(p) = get("linux_pread", "copy", "partitioned", t) {
             for idx in ["lockless", "rwlock", "mutex", "sharded"] {
-                for mode in ["zero_copy", "zero_copy_pinned", "copy"] {
+                for mode in [
+                    "zero_copy",
+                    "zero_copy_pinned",
+                    "zero_copy_repinned",
+                    "copy",
+                ] {
                     if let Some(x) = get(idx, mode, "partitioned", t) {
                         out.push((
                             format!("{idx} {mode} / linux_pread, partitioned, {t} thread(s)"),

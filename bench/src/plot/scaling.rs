@@ -103,6 +103,7 @@ fn mode_name(mode: &str) -> String {
     match mode {
         "zero_copy" => "zero-copy (look up, check in place)".into(),
         "zero_copy_pinned" => "zero-copy under an epoch pin (no refcount)".into(),
+        "zero_copy_repinned" => "zero-copy under a kept pin, repinned per lookup".into(),
         "copy" => "copy-out (copy the page into a buffer)".into(),
         m => m.replace('_', "-"),
     }
