@@ -156,7 +156,27 @@ fn cow_publish_vs_reader() {
 /// pinned).
 #[test]
 fn pinned_lookup_vs_evict_and_reuse() {
-    builder().check(|| {
+    pinned_reader_vs_evict_and_reuse(builder(), false);
+}
+
+/// A reader that keeps its pin and repins it (`Pin::repin`: a thread that
+/// reads one page at a time) looks up page 1 after the repin, in the race
+/// above. The owner's collection may move the epoch between the reader's
+/// pin and its repin. With the reader unpinned after the repin instead,
+/// this model fails (torn frame), found with a preemption bound of 4 (not
+/// with 3, hence the bound here).
+#[test]
+fn repinned_lookup_vs_evict_and_reuse() {
+    let mut b = builder();
+    b.preemption_bound = Some(4);
+    pinned_reader_vs_evict_and_reuse(b, true);
+}
+
+/// The race of the two models above: a guard-scoped reader of page 1
+/// (pinned, then repinned if `repin`) against its eviction and the reuse
+/// of the only frame for page 2.
+fn pinned_reader_vs_evict_and_reuse(b: loom::model::Builder, repin: bool) {
+    b.check(move || {
         let c = Arc::new(core(1));
         let f = insert(&c, 1, 0x11).unwrap();
         c.frames.put(f);
@@ -165,7 +185,10 @@ fn pinned_lookup_vs_evict_and_reuse() {
         let reader = {
             let c = Arc::clone(&c);
             thread::spawn(move || {
-                let guard = crossbeam_epoch::pin();
+                let mut guard = crossbeam_epoch::pin();
+                if repin {
+                    crate::sync::repin(&mut guard);
+                }
                 let mut retries = 0;
                 if let Some(f) = c.lookup_pinned(1, &guard, &mut retries) {
                     assert_eq!(read_tag(&c, f), 0x11);
@@ -190,50 +213,6 @@ fn pinned_lookup_vs_evict_and_reuse() {
             1,
             "the frame is lost or counted twice"
         );
-    });
-}
-
-/// A reader that keeps its pin and repins it (`Pin::repin`: a thread that
-/// reads one page at a time) looks up page 1 after the repin, while the
-/// owner evicts page 1 and reuses its only frame for page 2. The hit is
-/// page 1's bytes, whole: loom's cell tracking fails the model if the
-/// refill could write the frame while the reader reads it. The owner's
-/// collection may move the epoch between the reader's pin and its repin.
-/// With the reader unpinned after the repin instead, this model fails
-/// (torn frame), found with a preemption bound of 4 (not with 3, hence the
-/// bound here).
-#[test]
-fn repinned_lookup_vs_evict_and_reuse() {
-    let mut b = builder();
-    b.preemption_bound = Some(4);
-    b.check(|| {
-        let c = Arc::new(core(1));
-        let f = insert(&c, 1, 0x11).unwrap();
-        c.frames.put(f);
-        let generation = c.index.peek(&c.frames, 1).unwrap().1;
-
-        let reader = {
-            let c = Arc::clone(&c);
-            thread::spawn(move || {
-                let mut guard = crossbeam_epoch::pin();
-                crate::sync::repin(&mut guard);
-                let mut retries = 0;
-                if let Some(f) = c.lookup_pinned(1, &guard, &mut retries) {
-                    assert_eq!(read_tag(&c, f), 0x11);
-                }
-                drop(guard);
-            })
-        };
-        if c.remove_frame(1, f, generation) == Sweep::Evicted {
-            if let Some(g) = c.frames.alloc() {
-                assert_eq!(g, f, "the only frame is reused");
-                // SAFETY: `alloc` gave us the frame in state Filling.
-                unsafe { c.frames.region().fill(g, |b| b.fill(0x22)) };
-                let g = c.insert_filled(2, g, PS as u32).unwrap();
-                c.frames.put(g);
-            }
-        }
-        reader.join().unwrap();
     });
 }
 
