@@ -80,8 +80,9 @@ impl Drop for PageRef<'_> {
 
 /// A pin of crossbeam-epoch's default collector, for
 /// [`crate::PageCache::lookup_pinned`]: while it lives (until its next
-/// [`Pin::repin`]), no frame a pinned lookup lent is reused (every free of a published frame waits until
-/// every pin older than the free has dropped). Hold it for a batch of
+/// [`Pin::repin`]), no frame a pinned lookup lent is reused (every free of
+/// a published frame waits until every pin older than the free has
+/// dropped). Hold it for a batch of
 /// lookups, not across anything that blocks: frames freed meanwhile stay
 /// out of use until it drops, so a fault, a write or a flight wait made
 /// while this thread holds a pin may find no frame
