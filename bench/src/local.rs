@@ -189,32 +189,26 @@ impl<I: Index> Target for PageCache<I> {
                             let g = self.get(p)?;
                             check(p, &g, all)
                         }
-                        Mode::ZeroCopyPinned => {
-                            pinned += 1;
-                            if pinned >= batch {
-                                // Unpin before pinning again, so a batch of
-                                // 1 pins once per lookup.
-                                pin = None;
-                                pinned = 0;
+                        Mode::ZeroCopyPinned | Mode::ZeroCopyRepinned => {
+                            if mode == Mode::ZeroCopyRepinned {
+                                // One pin kept, moved on before each lookup.
+                                if let Some(held) = pin.as_mut() {
+                                    held.repin();
+                                }
+                            } else {
+                                pinned += 1;
+                                if pinned >= batch {
+                                    // Unpin before pinning again, so a batch
+                                    // of 1 pins once per lookup.
+                                    pin = None;
+                                    pinned = 0;
+                                }
                             }
                             let held = pin.get_or_insert_with(Pin::new);
                             if let Some(b) = self.lookup_pinned(p, held) {
                                 return check(p, b, all);
                             }
                             // A miss: fault it in unpinned.
-                            pin = None;
-                            let g = self.get(p)?;
-                            check(p, &g, all)
-                        }
-                        Mode::ZeroCopyRepinned => {
-                            match pin.as_mut() {
-                                Some(held) => held.repin(),
-                                None => pin = Some(Pin::new()),
-                            }
-                            let held = pin.as_ref().expect("pinned above");
-                            if let Some(b) = self.lookup_pinned(p, held) {
-                                return check(p, b, all);
-                            }
                             pin = None;
                             let g = self.get(p)?;
                             check(p, &g, all)
