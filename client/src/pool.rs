@@ -443,9 +443,9 @@ impl OwnerPool {
         // with no READ.
         let frames: Vec<(u32, u64)> = copies
             .iter()
-            .map(|c| match Some(c.region_epoch) == want {
-                true => (c.frame, c.generation),
-                false => (c.frame, 0),
+            .map(|c| {
+                let current = Some(c.region_epoch) == want;
+                (c.frame, if current { c.generation } else { 0 })
             })
             .collect();
         if frames.iter().all(|&(_, g)| g == 0) {

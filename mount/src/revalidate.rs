@@ -199,8 +199,9 @@ impl Revalidator {
     /// One period's revalidation: checks every recorded run with
     /// `still_current(runs)` (one answer per `(first, pages)` run, in order;
     /// runs are passed in groups of about [`CHECK_PAGES`] pages, a run never
-    /// split) and asks `invalidate` to drop each run that is not current (or the whole file, once, when the table was full),
-    /// then keeps the records of the current runs. Reads recorded while it
+    /// split) and asks `invalidate` to drop each run that is not current
+    /// (or the whole file, once, when the table was full), then keeps the
+    /// records of the current runs. Reads recorded while it
     /// runs are kept for the next tick (a record of the same run made
     /// meanwhile is newer than the one checked, and wins). Runs written
     /// through the mount are dropped without a check.
