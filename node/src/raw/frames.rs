@@ -156,8 +156,9 @@
 //! reader's read of `e1` (before `Fr`), which puts `Fs` before `Fr`. So the
 //! bag expires at `s + 2 > e1 + 1`, which needs the reader seen at `e1 + 1`
 //! or later: after its next repin or unpin, which `&mut` puts after every
-//! use of bytes lent before it. Without the fence that order is not given
-//! (crossbeam's own repin guarantees only its own pointers' lifetimes).
+//! use of bytes lent before it. Without the fence `Fr` does not exist and
+//! this order is not given (crossbeam's repin has none: its comment argues
+//! only that a late store delays collection).
 //! Bytes lent before the repin are out of reach (`&mut`). A repin that
 //! finds the epoch unmoved stores nothing: the earlier store and fence
 //! still precede the loads.
