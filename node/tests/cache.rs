@@ -23,6 +23,14 @@ fn cfg(frames: usize) -> CacheConfig {
     }
 }
 
+/// A cache of `frames` frames that reads only the pages asked for.
+fn no_readahead(frames: usize) -> CacheConfig {
+    CacheConfig {
+        readahead_max: 0,
+        ..cfg(frames)
+    }
+}
+
 type Opener<'a> = &'a dyn Fn(&std::path::Path, CacheConfig) -> Box<dyn Cache>;
 
 fn each_variant(test: fn(Opener<'_>)) {
@@ -338,14 +346,7 @@ fn numa_topology_and_placement() {
 fn overflow_chains_are_readable_from_raw_bytes() {
     use pagewire_node::layout::{self, RawBucket};
     let (_d, path) = file(4096, 0);
-    let c = PageCache::open(
-        &path,
-        CacheConfig {
-            readahead_max: 0,
-            ..cfg(16)
-        },
-    )
-    .unwrap();
+    let c = PageCache::open(&path, no_readahead(16)).unwrap();
     let l = c.region().layout;
     let n = l.bucket_count as u64;
     // Six pages of one chain: three fill the head bucket, three overflow.
@@ -592,14 +593,7 @@ fn readahead_stops_at_the_extent_boundary() {
 #[test]
 fn evicting_a_range_unpublishes_held_pages() {
     let (_d, path) = file(16, 0);
-    let c = PageCache::open(
-        &path,
-        CacheConfig {
-            readahead_max: 0,
-            ..cfg(8)
-        },
-    )
-    .unwrap();
+    let c = PageCache::open(&path, no_readahead(8)).unwrap();
     let held = c.get(2).unwrap();
     pattern::verify(3, &c.get(3).unwrap()).unwrap();
     let free = c.free_frames();
@@ -625,14 +619,7 @@ fn evicting_a_range_unpublishes_held_pages() {
 /// miss (no fault); frames freed meanwhile come back once the pin drops.
 fn pinned_lookups_outlive_writes_and_evictions<I: Index>() {
     let (_d, path) = file(16, 0);
-    let c = PageCache::<I>::open_with(
-        &path,
-        CacheConfig {
-            readahead_max: 0,
-            ..cfg(4)
-        },
-    )
-    .unwrap();
+    let c = PageCache::<I>::open_with(&path, no_readahead(4)).unwrap();
     drop((c.get(1).unwrap(), c.get(2).unwrap()));
     let pin = Pin::new();
     assert!(
@@ -709,14 +696,7 @@ fn pinned_lookups_outlive_writes_and_evictions_every_variant() {
 #[test]
 fn a_repinned_pin_lets_frames_freed_before_it_come_back() {
     let (_d, path) = file(16, 0);
-    let c = PageCache::<Lockless>::open_with(
-        &path,
-        CacheConfig {
-            readahead_max: 0,
-            ..cfg(4)
-        },
-    )
-    .unwrap();
+    let c = PageCache::<Lockless>::open_with(&path, no_readahead(4)).unwrap();
     for p in 0..4 {
         drop(c.get(p).unwrap());
     }
@@ -759,14 +739,7 @@ fn a_repinned_pin_lets_frames_freed_before_it_come_back() {
 #[test]
 fn a_write_with_every_frame_held_is_no_frame() {
     let (_d, path) = file(8, 0);
-    let c = PageCache::open(
-        &path,
-        CacheConfig {
-            readahead_max: 0,
-            ..cfg(2)
-        },
-    )
-    .unwrap();
+    let c = PageCache::open(&path, no_readahead(2)).unwrap();
     let held = (c.get(0).unwrap(), c.get(1).unwrap());
     let mut page = vec![0u8; PS];
     pattern::fill(5, 1, &mut page);
