@@ -284,6 +284,7 @@ impl VerbsConnection {
                 self.slots[idx] = Slot::Free;
                 self.free.push(idx as u32);
                 if status != WorkCompletionStatus::Success {
+                    tracing::debug!(?status, "verbs connection: a timed-out READ failed");
                     self.qp_error = true;
                 }
                 continue;
@@ -292,6 +293,9 @@ impl VerbsConnection {
                 WorkCompletionStatus::Success => self.finish(idx, Ok(())),
                 WorkCompletionStatus::WorkRequestFlushedError => {
                     // Innocent: re-posted once the queue pair is back.
+                    if !self.qp_error {
+                        tracing::debug!("verbs connection: READs flushed");
+                    }
                     self.qp_error = true;
                     if let Slot::Pending { posted, .. } = &mut self.slots[idx] {
                         *posted = false;
@@ -300,6 +304,7 @@ impl VerbsConnection {
                 WorkCompletionStatus::RemoteAccessError
                 | WorkCompletionStatus::RemoteInvalidRequestError
                 | WorkCompletionStatus::RemoteOperationError => {
+                    tracing::debug!(?status, "verbs connection: a READ was refused");
                     self.qp_error = true;
                     self.finish(idx, Err(ReadError::RemoteAccess(AccessFault::Device)));
                 }
@@ -330,6 +335,10 @@ impl VerbsConnection {
                         matches!(self.slots[i as usize], Slot::Pending { posted: false, .. })
                     })
                     .collect();
+                tracing::debug!(
+                    again = again.len(),
+                    "verbs connection: a fresh queue pair; re-posting its flushed READs"
+                );
                 if let Err(e) = self.post_slots(&again) {
                     tracing::warn!(error = %e, "verbs connection: re-posting after re-establishment failed");
                     self.lose();
@@ -411,6 +420,12 @@ impl VerbsConnection {
                 } = self.slots[i]
                 {
                     if deadline <= now {
+                        tracing::debug!(
+                            posted,
+                            qp_error = self.qp_error,
+                            inflight = self.inflight,
+                            "verbs connection: a READ timed out"
+                        );
                         self.ready.push(Completion {
                             id,
                             result: Err(ReadError::Timeout),

@@ -75,10 +75,14 @@ pub const DEVICE_ENV: &str = "PAGEWIRE_RDMA_DEVICE";
 /// Environment variables that tune a reader's queue pairs for slow links
 /// (soft-RoCE under an emulated CPU), read by
 /// [`VerbsConfig::with_link_tuning_from_env`]: the local ACK timeout
-/// exponent (4.096 µs × 2^n) and the transport retry count.
+/// exponent (4.096 µs × 2^n), the transport retry count and the operation
+/// timeout in milliseconds.
 pub const ACK_TIMEOUT_ENV: &str = "PAGEWIRE_VERBS_ACK_TIMEOUT";
 /// See [`ACK_TIMEOUT_ENV`].
 pub const RETRY_ENV: &str = "PAGEWIRE_VERBS_RETRY";
+/// See [`ACK_TIMEOUT_ENV`]: [`VerbsConfig::op_timeout`] in milliseconds
+/// (at least 1).
+pub const OP_TIMEOUT_ENV: &str = "PAGEWIRE_VERBS_OP_TIMEOUT_MS";
 
 /// Settings of a [`VerbsOwner`] or a [`VerbsConnection`].
 #[derive(Debug, Clone)]
@@ -115,17 +119,24 @@ pub struct VerbsConfig {
 }
 
 impl VerbsConfig {
-    /// This config with `ack_timeout` and `retry_count` taken from
-    /// [`ACK_TIMEOUT_ENV`] and [`RETRY_ENV`] where they are set (clamped to
-    /// 31 and 7, what the queue pair takes).
+    /// This config with `ack_timeout`, `retry_count` and `op_timeout` taken
+    /// from [`ACK_TIMEOUT_ENV`], [`RETRY_ENV`] and [`OP_TIMEOUT_ENV`] where
+    /// they are set (clamped to 31 and 7, what the queue pair takes, and to
+    /// at least 1 ms). A link slow enough to need a longer ACK timeout
+    /// needs a longer operation timeout too: under soft-RoCE on an emulated
+    /// CPU a READ now and then takes seconds, and the default 5 s then
+    /// fails a READ the link would still have completed.
     #[must_use]
     pub fn with_link_tuning_from_env(mut self) -> Self {
-        let env_u8 = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u8>().ok());
-        if let Some(v) = env_u8(ACK_TIMEOUT_ENV) {
+        let env = |k: &str| std::env::var(k).ok();
+        if let Some(v) = env(ACK_TIMEOUT_ENV).and_then(|v| v.parse::<u8>().ok()) {
             self.ack_timeout = v.min(31);
         }
-        if let Some(v) = env_u8(RETRY_ENV) {
+        if let Some(v) = env(RETRY_ENV).and_then(|v| v.parse::<u8>().ok()) {
             self.retry_count = v.min(7);
+        }
+        if let Some(v) = env(OP_TIMEOUT_ENV).and_then(|v| v.parse::<u64>().ok()) {
+            self.op_timeout = Duration::from_millis(v.max(1));
         }
         self
     }
