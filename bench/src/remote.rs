@@ -168,6 +168,8 @@ pub struct Row {
     /// Latency of one op (a run of `run` pages), µs.
     pub p50_us: f64,
     pub p99_us: f64,
+    /// The slowest op of every repeat (a stall the percentiles hide).
+    pub max_us: f64,
     pub owner_cpu_us_per_read: Option<f64>,
     /// User + system CPU of this process (the readers) per page read, µs.
     pub reader_cpu_us_per_read: Option<f64>,
@@ -627,6 +629,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 ops_per_sec: median(ss.iter().map(|s| s.ops_per_sec).collect()),
                 p50_us: median(ss.iter().map(|s| s.p50_us).collect()),
                 p99_us: median(ss.iter().map(|s| s.p99_us).collect()),
+                max_us: ss.iter().map(|s| s.max_us).fold(0.0, f64::max),
                 owner_cpu_us_per_read: (!cpu.is_empty()).then(|| median(cpu)),
                 reader_cpu_us_per_read: (!reader_cpu.is_empty()).then(|| median(reader_cpu)),
                 round_trips_per_read: c.round_trips as f64 / c.pages.max(1) as f64,
@@ -657,6 +660,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             row.ops_per_sec = median(rs.iter().map(|r| r.ops_per_sec).collect());
             row.p50_us = median(rs.iter().map(|r| r.p50_us).collect());
             row.p99_us = median(rs.iter().map(|r| r.p99_us).collect());
+            row.max_us = rs.iter().map(|r| r.max_us).fold(0.0, f64::max);
             row.repeats_ops_per_sec = rs.iter().map(|r| r.ops_per_sec).collect();
             rows.push(row);
         }

@@ -82,7 +82,8 @@
 #     --cut node-1@65s --heal node-1@77s
 #     --kill coordinator@86s --restart coordinator@89s  [STORM ARGS]
 # with PAGEWIRE_RDMA_DEVICE=rxe0, PAGEWIRE_VERBS_ACK_TIMEOUT=17 and
-# PAGEWIRE_VERBS_RETRY=7 (rxe under TCG is slow) in every pagewire process.
+# PAGEWIRE_VERBS_RETRY=7 (rxe under TCG is slow) in every pagewire process,
+# and PAGEWIRE_VERBS_OP_TIMEOUT_MS=30000 for `pagewire-bench remote`.
 #
 # Results: target/softroce-cluster/ (console-ctl.log, console-node-K.log,
 # work/out/: storm.json, plots, perftest-*.txt, storm-stderr.log; work/storm/:
@@ -462,7 +463,13 @@ remote_bench() {
     say "remote: verbs, tcp, gRPC, Redis and perftest between ctl and node-1"
     echo "PWVM-REMOTE start"
     cd /tmp
-    timeout -s KILL 900 "$bench" remote --paths verbs,tcp,grpc,redis,perftest \
+    # The rdma crate's debug lines say what a failed READ met (a flush, a
+    # fresh queue pair, a timeout). The bare one-sided readers' operation
+    # timeout is 30 s, as node/tests/remote_verbs.rs's under TCG: the
+    # default 5 s failed a READ ("timed out") in two recent CI runs (the
+    # storm's readers have their own, --op-deadline-ms).
+    RUST_LOG=${RUST_LOG:-warn,pagewire_rdma=debug} PAGEWIRE_VERBS_OP_TIMEOUT_MS=30000 \
+        timeout -s KILL 900 "$bench" remote --paths verbs,tcp,grpc,redis,perftest \
         --clients 1 --run 1,16 --pages 1024 --seconds 2 --runs 3 --perftest-iters 1000 \
         --ip 10.99.0.10 --owner-ip 10.99.0.11 \
         --owner-exec "$bench vm-exec 10.99.0.11:7700 remote-owner --" \
@@ -648,6 +655,25 @@ def bad(msg):
     ok = False
     lines.append("FAIL " + msg)
 
+def error_line(log):
+    """The `Error: ...` line (and its causes) a bench printed as it exited:
+    on the FAIL line itself, which a log that keeps only a part of the
+    output still shows."""
+    try:
+        text = open(os.path.join(out, log), errors="replace").read().splitlines()
+    except OSError:
+        return f"no {log}"
+    for i, l in enumerate(text):
+        if l.startswith("Error: "):
+            causes = []
+            for c in text[i + 1:i + 12]:
+                if c.strip().startswith("Stack backtrace"):
+                    break
+                if c.strip() and c.strip() != "Caused by:":
+                    causes.append(c.strip())
+            return " / ".join([l] + causes)
+    return f"no error line in {log}"
+
 def perf(tool, cols):
     p = os.path.join(out, f"perftest-{tool}.txt")
     try:
@@ -693,7 +719,7 @@ if mode == "storm":
             expected += 2  # SIGSTOP, then SIGCONT
     rc = open(os.path.join(out, "storm.rc")).read().strip() if os.path.exists(os.path.join(out, "storm.rc")) else "none"
     if rc != "0":
-        bad(f"the storm exited with {rc}")
+        bad(f"the storm exited with {rc}: {error_line('storm-stderr.log')}")
     try:
         doc = json.load(open(os.path.join(out, "storm.json")))
     except (OSError, ValueError) as e:
@@ -733,7 +759,7 @@ if mode == "storm":
 if mode == "remote" or (mode == "storm" and remote == "1"):
     rc = open(os.path.join(out, "remote.rc")).read().strip() if os.path.exists(os.path.join(out, "remote.rc")) else "none"
     if rc != "0":
-        bad(f"pagewire-bench remote exited with {rc}")
+        bad(f"pagewire-bench remote exited with {rc}: {error_line('remote-stderr.log')}")
     try:
         doc = json.load(open(os.path.join(out, "remote", "remote.json")))
     except (OSError, ValueError) as e:
@@ -747,7 +773,7 @@ if mode == "remote" or (mode == "storm" and remote == "1"):
             cpu = r.get("owner_cpu_us_per_read")
             rcpu = r.get("reader_cpu_us_per_read")
             lines.append(f"remote {r.get('path')}/{r.get('transport')}/{r.get('index_cache')} x{r.get('clients')} run {r.get('run')}: "
-                         f"{r.get('ops_per_sec', 0):.0f} pages/s, p50 {r.get('p50_us', 0):.0f} us, p99 {r.get('p99_us', 0):.0f} us, "
+                         f"{r.get('ops_per_sec', 0):.0f} pages/s, p50 {r.get('p50_us', 0):.0f} us, p99 {r.get('p99_us', 0):.0f} us, max {r.get('max_us', 0):.0f} us, "
                          f"owner cpu {'-' if cpu is None else f'{cpu:.0f}'} us/read, reader cpu {'-' if rcpu is None else f'{rcpu:.0f}'} us/read, rt/read {r.get('round_trips_per_read', 0):.3f}, wrong {r.get('wrong_reads')}")
             if r.get("wrong_reads") != 0:
                 bad(f"remote {r.get('path')}/{r.get('transport')}: wrong_reads={r.get('wrong_reads')}")

@@ -73,7 +73,7 @@ pub(super) fn perftest_rows(
             ));
             continue;
         }
-        let row = |ops: f64, p50: f64, p99: f64| Row {
+        let row = |(ops, p50, p99, max): Parsed| Row {
             path: "perftest",
             transport: tool,
             index_cache: "-",
@@ -84,6 +84,7 @@ pub(super) fn perftest_rows(
             ops_per_sec: ops,
             p50_us: p50,
             p99_us: p99,
+            max_us: max,
             owner_cpu_us_per_read: None,
             reader_cpu_us_per_read: None,
             round_trips_per_read: 1.0,
@@ -96,7 +97,7 @@ pub(super) fn perftest_rows(
             owner_spin: None,
         };
         match parse(tool, &text) {
-            Ok((ops, p50, p99)) => rows.push(row(ops, p50, p99)),
+            Ok(parsed) => rows.push(row(parsed)),
             Err(why) => {
                 let note = format!("perftest: {tool}: {why}, its row skipped");
                 // Once, however many repeats hit it.
@@ -109,11 +110,14 @@ pub(super) fn perftest_rows(
     Ok(rows)
 }
 
-/// `(ops/s, p50 us, p99 us)` from `tool`'s output: the line that starts
-/// with the message size. `ib_read_lat`: `bytes iters t_min t_max
-/// t_typical t_avg t_stdev p99 p99.9` (ops/s = 1/t_avg); `ib_read_bw`:
-/// `bytes iters bw_peak bw_avg msg_rate(Mpps)` (no latency: 0).
-fn parse(tool: &str, text: &str) -> Result<(f64, f64, f64), String> {
+/// `(ops/s, p50 us, p99 us, max us)` of one perftest run.
+type Parsed = (f64, f64, f64, f64);
+
+/// [`Parsed`] from `tool`'s output: the line that starts with the message
+/// size. `ib_read_lat`: `bytes iters t_min t_max t_typical t_avg t_stdev
+/// p99 p99.9` (ops/s = 1/t_avg); `ib_read_bw`: `bytes iters bw_peak bw_avg
+/// msg_rate(Mpps)` (no latency: 0).
+fn parse(tool: &str, text: &str) -> Result<Parsed, String> {
     let nums: Vec<f64> = text
         .lines()
         .map(str::trim)
@@ -128,16 +132,21 @@ fn parse(tool: &str, text: &str) -> Result<(f64, f64, f64), String> {
     // parses: a row of inf would beat (or divide) anything beside it.
     let usable = |v: &f64| v.is_finite() && *v > 0.0;
     match (tool, nums.as_slice()) {
-        ("ib_read_lat", [_, _, _, _, typical, avg, _, p99, ..]) => {
+        ("ib_read_lat", [_, _, _, max, typical, avg, _, p99, ..]) => {
             if [typical, avg, p99].into_iter().all(usable) {
-                Ok((1e6 / avg, *typical, *p99))
+                Ok((
+                    1e6 / avg,
+                    *typical,
+                    *p99,
+                    if usable(max) { *max } else { 0.0 },
+                ))
             } else {
                 Err(format!(
                     "no usable latency (typical {typical}, avg {avg}, p99 {p99} us: its clock under emulation)"
                 ))
             }
         }
-        ("ib_read_bw", [_, _, _, _, mpps, ..]) if usable(mpps) => Ok((mpps * 1e6, 0.0, 0.0)),
+        ("ib_read_bw", [_, _, _, _, mpps, ..]) if usable(mpps) => Ok((mpps * 1e6, 0.0, 0.0, 0.0)),
         _ => Err(format!("cannot read its output: {}", text.trim())),
     }
 }
@@ -149,11 +158,11 @@ mod tests {
     #[test]
     fn reads_perftest_lines() {
         let lat = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] \n 4096       1000          366.19         3375.73      524.18            579.81       295.26          2584.95                 3375.73\n";
-        let (ops, p50, p99) = parse("ib_read_lat", lat).expect("a good line");
-        assert_eq!((p50, p99), (524.18, 2584.95));
+        let (ops, p50, p99, max) = parse("ib_read_lat", lat).expect("a good line");
+        assert_eq!((p50, p99, max), (524.18, 2584.95, 3375.73));
         assert!((ops - 1e6 / 579.81).abs() < 1e-6);
         let bw = " 4096       2000             24.66              17.29 \t\t   0.004425\n";
-        assert_eq!(parse("ib_read_bw", bw), Ok((4425.0, 0.0, 0.0)));
+        assert_eq!(parse("ib_read_bw", bw), Ok((4425.0, 0.0, 0.0, 0.0)));
     }
 
     /// What CI's soft-RoCE VM printed once: its clock gave `inf`.

@@ -26,6 +26,7 @@ pub(super) fn table(rows: &[Row]) -> String {
         "ops/s",
         "p50 us",
         "p99 us",
+        "max us",
         "owner cpu us/read",
         "reader cpu us/read",
         "rt/read",
@@ -48,6 +49,7 @@ pub(super) fn table(rows: &[Row]) -> String {
                 format!("{:.0}", r.ops_per_sec),
                 format!("{:.2}", r.p50_us),
                 format!("{:.2}", r.p99_us),
+                format!("{:.0}", r.max_us),
                 r.owner_cpu_us_per_read
                     .map_or("-".into(), |c| format!("{c:.3}")),
                 r.reader_cpu_us_per_read
