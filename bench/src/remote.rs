@@ -20,9 +20,11 @@
 //!   registered with a `tcp` owner.
 //! * Clients are threads of this process, each with its own connection (and
 //!   reader, and index cache). An op reads a run of `run` consecutive pages
-//!   from a random start: one-sided, page after page (the reader has no
-//!   batched run API yet); gRPC, one `Read` of the run; Redis, one GET or
-//!   MGET. `ops_per_sec` counts pages; `p50_us`/`p99_us` are per op.
+//!   from a random start: one-sided, one `read_run` of the run (its READs
+//!   batched under one doorbell per round); gRPC, one `Read` of the run;
+//!   Redis, one GET or MGET. `ops_per_sec` counts pages; `p50_us`/`p99_us`
+//!   are per op (medians over the repeats), `max_us` the slowest op of all
+//!   repeats.
 //! * Index cache: `warm` readers read every page once before the
 //!   measurements; `cold` ones forget each page before reading it, so every
 //!   read walks its bucket.
