@@ -466,8 +466,10 @@ remote_bench() {
     # The rdma crate's debug lines say what a failed READ met (a flush, a
     # fresh queue pair, a timeout). The bare one-sided readers' operation
     # timeout is 30 s, as node/tests/remote_verbs.rs's under TCG: the
-    # default 5 s failed a READ ("timed out") in two recent CI runs (the
-    # storm's readers have their own, --op-deadline-ms).
+    # default 5 s failed a READ ("timed out") in two recent CI runs. (The
+    # storm's readers go through the cluster client, whose READ timeout is
+    # its 1 s RPC timeout, but which falls back to FaultIn and retries
+    # within --op-deadline-ms; a bare reader has no fallback.)
     RUST_LOG=${RUST_LOG:-warn,pagewire_rdma=debug} PAGEWIRE_VERBS_OP_TIMEOUT_MS=30000 \
         timeout -s KILL 900 "$bench" remote --paths verbs,tcp,grpc,redis,perftest \
         --clients 1 --run 1,16 --pages 1024 --seconds 2 --runs 3 --perftest-iters 1000 \

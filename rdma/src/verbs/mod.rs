@@ -122,10 +122,9 @@ impl VerbsConfig {
     /// This config with `ack_timeout`, `retry_count` and `op_timeout` taken
     /// from [`ACK_TIMEOUT_ENV`], [`RETRY_ENV`] and [`OP_TIMEOUT_ENV`] where
     /// they are set (clamped to 31 and 7, what the queue pair takes, and to
-    /// at least 1 ms). A link slow enough to need a longer ACK timeout
-    /// needs a longer operation timeout too: under soft-RoCE on an emulated
-    /// CPU a READ now and then takes seconds, and the default 5 s then
-    /// fails a READ the link would still have completed.
+    /// at least 1 ms). A link slow enough to need a longer ACK timeout may
+    /// need a longer operation timeout too: under soft-RoCE on an emulated
+    /// CPU, READs whose p50 is about 1 ms have run past the default 5 s.
     #[must_use]
     pub fn with_link_tuning_from_env(mut self) -> Self {
         let env = |k: &str| std::env::var(k).ok();
