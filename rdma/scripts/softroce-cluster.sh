@@ -668,11 +668,11 @@ def error_line(log):
     for i, l in enumerate(text):
         if l.startswith("Error: "):
             causes = []
-            for c in text[i + 1:i + 12]:
-                if c.strip().startswith("Stack backtrace"):
+            for c in (c.strip() for c in text[i + 1:i + 12]):
+                if c.startswith("Stack backtrace"):
                     break
-                if c.strip() and c.strip() != "Caused by:":
-                    causes.append(c.strip())
+                if c and c != "Caused by:":
+                    causes.append(c)
             return " / ".join([l] + causes)
     return f"no error line in {log}"
 

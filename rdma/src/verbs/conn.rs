@@ -284,7 +284,10 @@ impl VerbsConnection {
                 self.slots[idx] = Slot::Free;
                 self.free.push(idx as u32);
                 if status != WorkCompletionStatus::Success {
-                    tracing::debug!(?status, "verbs connection: a timed-out READ failed");
+                    tracing::debug!(
+                        ?status,
+                        "verbs connection: a READ already answered (timed out or lost) failed"
+                    );
                     self.qp_error = true;
                 }
                 continue;

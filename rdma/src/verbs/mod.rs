@@ -127,14 +127,16 @@ impl VerbsConfig {
     /// CPU, READs whose p50 is about 1 ms have run past the default 5 s.
     #[must_use]
     pub fn with_link_tuning_from_env(mut self) -> Self {
-        let env = |k: &str| std::env::var(k).ok();
-        if let Some(v) = env(ACK_TIMEOUT_ENV).and_then(|v| v.parse::<u8>().ok()) {
+        fn env<T: std::str::FromStr>(k: &str) -> Option<T> {
+            std::env::var(k).ok()?.parse().ok()
+        }
+        if let Some(v) = env::<u8>(ACK_TIMEOUT_ENV) {
             self.ack_timeout = v.min(31);
         }
-        if let Some(v) = env(RETRY_ENV).and_then(|v| v.parse::<u8>().ok()) {
+        if let Some(v) = env::<u8>(RETRY_ENV) {
             self.retry_count = v.min(7);
         }
-        if let Some(v) = env(OP_TIMEOUT_ENV).and_then(|v| v.parse::<u64>().ok()) {
+        if let Some(v) = env::<u64>(OP_TIMEOUT_ENV) {
             self.op_timeout = Duration::from_millis(v.max(1));
         }
         self
