@@ -152,11 +152,45 @@ pub(crate) fn layer_skips(l: &crate::v1::Layer) -> (NodeTable<usize>, bool) {
     (t, !l.except.is_empty())
 }
 
-/// One cached owner array.
+/// One cached owner array, with its floor ([`rendezvous::Floored`]).
 struct Cached {
     key: Key,
     extents: u64,
     owners: Arc<Vec<u32>>,
+    floor: f64,
+}
+
+/// What `to` has that `from` lacks and what `from` has that `to` lacks,
+/// both sorted; None once more than `limit` entries differ. O(|from| +
+/// |to|): the keys are sorted by node index.
+fn key_diff(from: &Key, to: &Key, limit: usize) -> Option<(Key, Key)> {
+    let (mut removed, mut added) = (Vec::new(), Vec::new());
+    let (mut a, mut b) = (from.iter().peekable(), to.iter().peekable());
+    loop {
+        match (a.peek(), b.peek()) {
+            (None, None) => break,
+            (Some(&&x), Some(&&y)) if x == y => {
+                a.next();
+                b.next();
+            }
+            (Some(&&x), Some(&&y)) if x < y => {
+                removed.push(x);
+                a.next();
+            }
+            (Some(_), Some(&&y)) | (None, Some(&&y)) => {
+                added.push(y);
+                b.next();
+            }
+            (Some(&&x), None) => {
+                removed.push(x);
+                a.next();
+            }
+        }
+        if removed.len() + added.len() > limit {
+            return None;
+        }
+    }
+    Some((removed, added))
 }
 
 /// Computes owner arrays, remembering the last few.
@@ -188,13 +222,14 @@ impl Expander {
     /// Owners of `extents` extents under `set`, whose nodes hash by the ids
     /// in `ids`.
     pub fn owners(&mut self, set: &Set, ids: &HashMap<u32, &str>, extents: u64) -> Arc<Vec<u32>> {
-        let key: Key = set
+        let mut key: Key = set
             .iter()
             .map(|&(i, w)| {
                 let seed = rendezvous::fnv1a(ids.get(&i).copied().unwrap_or("").as_bytes());
                 (i, w, seed)
             })
             .collect();
+        key.sort_unstable();
         if let Some(pos) = self
             .cache
             .iter()
@@ -221,37 +256,41 @@ impl Expander {
             if c.extents != extents {
                 continue;
             }
-            let removed: Vec<_> = c.key.iter().filter(|k| !key.contains(k)).copied().collect();
-            let added: Vec<_> = key.iter().filter(|k| !c.key.contains(k)).copied().collect();
+            let Some((removed, added)) = key_diff(&c.key, &key, 2) else {
+                continue;
+            };
             let d = removed.len() + added.len();
-            if d <= 2 && best.as_ref().is_none_or(|(_, r, a)| d < r.len() + a.len()) {
+            if best.as_ref().is_none_or(|(_, r, a)| d < r.len() + a.len()) {
                 best = Some((pos, removed, added));
             }
         }
-        let owners = match best {
+        let floored = match best {
             Some((pos, removed, added)) => {
                 self.incremental_computations += 1;
                 let mut cur_key = self.cache[pos].key.clone();
-                let mut owners: Vec<u32> = self.cache[pos].owners.to_vec();
+                let mut f = rendezvous::Floored {
+                    owners: self.cache[pos].owners.to_vec(),
+                    floor: self.cache[pos].floor,
+                };
                 for r in removed {
                     cur_key.retain(|k| *k != r);
                     let after = cands(&cur_key);
-                    owners = rendezvous::with_removed(&owners, &to_rv(&after), r.0);
+                    f = f.with_removed(&to_rv(&after), r.0);
                 }
                 for a in added {
                     let before = cands(&cur_key);
                     let new = to_rv(&[(a.0, a.1)])[0];
-                    owners = rendezvous::with_added(&owners, &to_rv(&before), new);
+                    f = f.with_added(&to_rv(&before), new);
                     cur_key.push(a);
                 }
-                owners
+                f
             }
             None => {
                 self.full_computations += 1;
-                rendezvous::assign(extents, &to_rv(set))
+                rendezvous::Floored::assign(extents, &to_rv(set))
             }
         };
-        let owners = Arc::new(owners);
+        let owners = Arc::new(floored.owners);
         if self.cache.len() >= self.capacity {
             self.cache.remove(0);
         }
@@ -259,6 +298,7 @@ impl Expander {
             key,
             extents,
             owners: owners.clone(),
+            floor: floored.floor,
         });
         owners
     }
@@ -846,6 +886,32 @@ mod tests {
         assert_eq!(sparse_diff(&[0, 5, 0], &[], 3), (vec![1], vec![5]));
         assert_eq!(sparse_diff(&[], &[0, 0, 4], 3), (vec![2], vec![0]));
         assert_eq!(sparse_diff(&[1, 2], &[1, 2], 2), (vec![], vec![]));
+    }
+
+    #[test]
+    fn key_diff_finds_what_was_added_and_removed_up_to_its_limit() {
+        let k = |v: &[u32]| -> Key { v.iter().map(|&i| (i, 1, u64::from(i))).collect() };
+        assert_eq!(
+            key_diff(&k(&[1, 2, 3]), &k(&[1, 2, 3]), 2),
+            Some((k(&[]), k(&[])))
+        );
+        assert_eq!(
+            key_diff(&k(&[1, 3, 5]), &k(&[2, 3, 5, 9]), 3),
+            Some((k(&[1]), k(&[2, 9])))
+        );
+        assert_eq!(key_diff(&k(&[1, 3, 5]), &k(&[2, 3, 5, 9]), 2), None);
+        assert_eq!(key_diff(&k(&[]), &k(&[4]), 2), Some((k(&[]), k(&[4]))));
+        assert_eq!(
+            key_diff(&k(&[4, 7]), &k(&[]), 2),
+            Some((k(&[4, 7]), k(&[])))
+        );
+        // A new weight for the same node is a removal and an addition.
+        let mut heavier = k(&[1, 2]);
+        heavier[1].1 = 2;
+        assert_eq!(
+            key_diff(&k(&[1, 2]), &heavier, 2),
+            Some((k(&[2]), vec![(2, 2, 2)]))
+        );
     }
 
     #[test]

@@ -33,6 +33,19 @@
 //! joins or leaves from the owners before, in O(extents) score evaluations
 //! instead of O(extents × candidates): a newcomer only has to beat the
 //! current owner's score, and only a leaver's extents need a full recount.
+//!
+//! [`Floored`] does the same with a *floor*: a number no extent's winning
+//! score is below. A newcomer's score `-w / ln(u)` is below the floor `F`
+//! exactly when `u < exp(-w / F)`, so an extent whose `u` is under that
+//! threshold (less a relative margin of 10^-9) keeps its owner without a
+//! logarithm or the owner's score: a join costs two hashes per extent and
+//! two scores only where the newcomer may win. The margin covers the
+//! rounding of `u`, `ln`, `exp` and the divisions (each within 10^-15
+//! relative) many times over: a threshold above 0 needs `w / F < 746`
+//! (else `exp` underflows and nothing is skipped), and then the margin on
+//! `u` keeps a skipped score at least 10^-12 relative below `F`, so
+//! strictly below the owner's, whose tie rule never comes into it. The
+//! owners are bit for bit those of [`assign`] (the tests compare them).
 
 /// A node that may own extents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,13 +78,20 @@ pub fn splitmix64(mut z: u64) -> u64 {
 
 /// Score of the node with hash seed `node_seed` for `extent`.
 pub fn score(node_seed: u64, extent: u64, weight: u64) -> f64 {
-    let h = splitmix64(node_seed ^ splitmix64(extent));
-    // 53 random bits, shifted into (0, 1): never 0 nor 1, so ln(u) < 0.
-    #[allow(clippy::cast_precision_loss)]
-    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let u = unit(node_seed, extent);
     #[allow(clippy::cast_precision_loss)]
     let w = weight as f64;
     -w / u.ln()
+}
+
+/// The `u` of a score: 53 random bits, shifted into (0, 1) (never 0 nor 1,
+/// so ln(u) < 0).
+#[inline]
+fn unit(node_seed: u64, extent: u64) -> f64 {
+    let h = splitmix64(node_seed ^ splitmix64(extent));
+    #[allow(clippy::cast_precision_loss)]
+    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    u
 }
 
 /// Values by node index, for lookups once per extent: a vector where the
@@ -169,6 +189,19 @@ pub(crate) fn best_of(seeds: &[Seeded], extent: u64) -> u32 {
     best.0
 }
 
+/// As [`best_of`], with the winning score (`-inf` when there is no
+/// candidate).
+fn best_scored(seeds: &[Seeded], extent: u64) -> (u32, f64) {
+    let mut best = (0u32, f64::NEG_INFINITY);
+    for c in seeds {
+        let s = score(c.seed, extent, c.weight);
+        if beats(c.index, s, best) {
+            best = (c.index, s);
+        }
+    }
+    best
+}
+
 /// Owner (node index) of `extent` among `candidates`; 0 when there is none.
 pub fn owner_of(extent: u64, candidates: &[Candidate<'_>]) -> u32 {
     best_of(&seeded(candidates), extent)
@@ -177,60 +210,159 @@ pub fn owner_of(extent: u64, candidates: &[Candidate<'_>]) -> u32 {
 /// Owner (node index) of each of `extent_count` extents; 0 for every extent
 /// when there is no candidate.
 pub fn assign(extent_count: u64, candidates: &[Candidate<'_>]) -> Vec<u32> {
-    let seeds = seeded(candidates);
-    (0..extent_count).map(|e| best_of(&seeds, e)).collect()
+    Floored::assign(extent_count, candidates).owners
 }
 
 /// The owners after `added` joins a candidate set whose owners were
 /// `owners` (`added.index` must not be in that set). O(extents): only the
 /// newcomer's score and the current owner's are compared.
 pub fn with_added(owners: &[u32], before: &[Candidate<'_>], added: Candidate<'_>) -> Vec<u32> {
-    let seeds = seeded(before);
-    let by_index = NodeTable::new(None, seeds.iter().map(|s| (s.index, Some(*s))));
-    let mut all = seeds.clone();
-    all.extend(seeded(&[added]));
-    let Some(new) = all.last().copied().filter(|n| n.index == added.index) else {
-        // A weight of 0 never wins: nothing moves.
-        return owners.to_vec();
-    };
-    owners
-        .iter()
-        .enumerate()
-        .map(|(e, &cur)| {
-            let e = e as u64;
-            match by_index.get(cur) {
-                Some(c) => {
-                    let s_new = score(new.seed, e, new.weight);
-                    if beats(new.index, s_new, (cur, score(c.seed, e, c.weight))) {
-                        new.index
-                    } else {
-                        cur
-                    }
-                }
-                // No owner before (no candidate), or one that is not in
-                // `before`: count it afresh.
-                None => best_of(&all, e),
-            }
-        })
-        .collect()
+    Floored::unknown(owners.to_vec())
+        .with_added(before, added)
+        .owners
 }
 
 /// The owners after the candidate `removed` leaves; `after` is the set
 /// without it and `owners` the owners with it. O(extents) in expectation:
 /// only the leaver's extents are counted afresh.
 pub fn with_removed(owners: &[u32], after: &[Candidate<'_>], removed: u32) -> Vec<u32> {
-    let seeds = seeded(after);
-    owners
-        .iter()
-        .enumerate()
-        .map(|(e, &cur)| {
-            if cur == removed {
-                best_of(&seeds, e as u64)
-            } else {
-                cur
-            }
-        })
-        .collect()
+    Floored::unknown(owners.to_vec())
+        .with_removed(after, removed)
+        .owners
+}
+
+/// Owners of extents `0..owners.len()` with a floor: no extent's winning
+/// score is below `floor` (`-inf`: not known, or an extent has no owner).
+/// See "Incremental updates" above.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Floored {
+    /// Owner of each extent (0: no candidate).
+    pub owners: Vec<u32>,
+    /// No extent's winning score is below this.
+    pub floor: f64,
+}
+
+/// Relative margin below the exact threshold (see "Incremental updates").
+const FLOOR_MARGIN: f64 = 1e-9;
+
+impl Floored {
+    /// Owners whose scores are not known.
+    pub fn unknown(owners: Vec<u32>) -> Self {
+        Self {
+            owners,
+            floor: f64::NEG_INFINITY,
+        }
+    }
+
+    /// Owners of each of `extent_count` extents among `candidates`, with
+    /// the lowest winning score as floor.
+    pub fn assign(extent_count: u64, candidates: &[Candidate<'_>]) -> Self {
+        let seeds = seeded(candidates);
+        let mut floor = f64::INFINITY;
+        let owners = (0..extent_count)
+            .map(|e| {
+                let (o, s) = best_scored(&seeds, e);
+                floor = floor.min(s);
+                o
+            })
+            .collect();
+        Self::with_floor(owners, floor)
+    }
+
+    fn with_floor(owners: Vec<u32>, floor: f64) -> Self {
+        // No extent: nothing to bound (a floor of +inf would skip all).
+        let floor = if owners.is_empty() || floor.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            floor
+        };
+        Self { owners, floor }
+    }
+
+    /// The owners after `added` joins `before` (these owners' set, which
+    /// must not hold `added.index`).
+    pub fn with_added(self, before: &[Candidate<'_>], added: Candidate<'_>) -> Self {
+        let seeds = seeded(before);
+        let by_index = NodeTable::new(None, seeds.iter().map(|s| (s.index, Some(*s))));
+        let mut all = seeds.clone();
+        all.extend(seeded(&[added]));
+        let Some(new) = all.last().copied().filter(|n| n.index == added.index) else {
+            // A weight of 0 never wins: nothing moves.
+            return self;
+        };
+        // Below this `u` the newcomer's score is below the floor (0: skip
+        // nothing, as with an unknown or non-positive floor).
+        #[allow(clippy::cast_precision_loss)]
+        let w = new.weight as f64;
+        let threshold = if self.floor > 0.0 && self.floor.is_finite() {
+            (-w / self.floor).exp() * (1.0 - FLOOR_MARGIN)
+        } else {
+            0.0
+        };
+        let mut floor = f64::INFINITY;
+        let owners = self
+            .owners
+            .iter()
+            .enumerate()
+            .map(|(e, &cur)| {
+                let e = e as u64;
+                match by_index.get(cur) {
+                    Some(c) => {
+                        if unit(new.seed, e) < threshold {
+                            // Below the floor, so below the owner's score.
+                            return cur;
+                        }
+                        let s_new = score(new.seed, e, new.weight);
+                        let s_cur = score(c.seed, e, c.weight);
+                        if beats(new.index, s_new, (cur, s_cur)) {
+                            floor = floor.min(s_new);
+                            new.index
+                        } else {
+                            floor = floor.min(s_cur);
+                            cur
+                        }
+                    }
+                    // No owner before (no candidate), or one that is not in
+                    // `before`: count it afresh.
+                    None => {
+                        let (o, s) = best_scored(&all, e);
+                        floor = floor.min(s);
+                        o
+                    }
+                }
+            })
+            .collect();
+        // A skipped extent kept a winner at or above the old floor; every
+        // other extent's winner was seen.
+        let floor = if threshold > 0.0 {
+            floor.min(self.floor)
+        } else {
+            floor
+        };
+        Self::with_floor(owners, floor)
+    }
+
+    /// The owners after the candidate `removed` leaves (`after` is the set
+    /// without it): only its extents are counted afresh.
+    pub fn with_removed(self, after: &[Candidate<'_>], removed: u32) -> Self {
+        let seeds = seeded(after);
+        let mut floor = self.floor;
+        let owners = self
+            .owners
+            .iter()
+            .enumerate()
+            .map(|(e, &cur)| {
+                if cur == removed {
+                    let (o, s) = best_scored(&seeds, e as u64);
+                    floor = floor.min(s);
+                    o
+                } else {
+                    cur
+                }
+            })
+            .collect();
+        Self::with_floor(owners, floor)
+    }
 }
 
 #[cfg(test)]
@@ -434,5 +566,103 @@ mod tests {
                 before
             );
         }
+    }
+
+    /// The lowest winning score of `owners`, counted in full.
+    fn lowest_winner(owners: &[u32], c: &[Candidate<'_>]) -> f64 {
+        let seeds = seeded(c);
+        (0..owners.len() as u64)
+            .map(|e| best_scored(&seeds, e).1)
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// Whether a `u` just under the threshold `exp(-w / F)` less the margin
+    /// gives a score strictly under `F`, over many weights, floors and `u`s
+    /// a few units in the last place from the threshold (with `margin` 0
+    /// some give `F` itself or more).
+    fn skips_are_below_the_floor(margin: f64) -> bool {
+        let mut z = 7u64;
+        let mut next = || {
+            z = splitmix64(z);
+            z
+        };
+        for _ in 0..200_000 {
+            #[allow(clippy::cast_precision_loss)]
+            let w = (next() >> (next() % 64)).max(1) as f64;
+            // Floors from w / 700 (threshold near the underflow) to 10^6 w.
+            let f = w * (10f64).powf((next() % 10_000) as f64 / 10_000.0 * 8.85 - 2.85);
+            let t = (-w / f).exp() * (1.0 - margin);
+            let mut u = t;
+            for _ in 0..(next() % 4) {
+                u = u.next_down();
+            }
+            if u <= 0.0 || u >= 1.0 {
+                continue;
+            }
+            if -w / u.ln() >= f {
+                return false;
+            }
+        }
+        true
+    }
+
+    #[test]
+    fn a_skipped_score_is_below_the_floor() {
+        assert!(skips_are_below_the_floor(FLOOR_MARGIN));
+        assert!(!skips_are_below_the_floor(0.0), "the check cannot fail");
+    }
+
+    #[test]
+    fn floored_joins_and_leaves_match_a_full_count_and_skip_most_extents() {
+        // Equal weights, weights 1:100 (the newcomer the heavy one or the
+        // light one) and weights near u64::MAX's float range.
+        type Weight = fn(u32) -> u64;
+        let weights: [(&str, Weight); 4] = [
+            ("equal", |_| 1 << 30),
+            ("heavy newcomers", |i| if i % 4 == 0 { 100 } else { 1 }),
+            ("light newcomers", |i| if i % 4 == 0 { 1 } else { 100 }),
+            ("huge", |i| u64::MAX - u64::from(i)),
+        ];
+        let extents = 20_000;
+        let n = nodes(40);
+        for (name, w) in weights {
+            let mut f = Floored::assign(extents, &cands(&n[..2], w));
+            for k in 2..n.len() {
+                let before = cands(&n[..k], w);
+                f = f.with_added(&before, cands(&n, w)[k]);
+                let all = cands(&n[..=k], w);
+                assert_eq!(f.owners, assign(extents, &all), "{name}: join of {}", k + 1);
+                let lowest = lowest_winner(&f.owners, &all);
+                assert!(
+                    f.floor <= lowest,
+                    "{name}: floor {} above {lowest}",
+                    f.floor
+                );
+                if k % 5 == 0 {
+                    // A leave and the same node's return.
+                    let gone = (k / 2 + 1) as u32;
+                    let rest: Vec<_> = all.iter().copied().filter(|c| c.index != gone).collect();
+                    f = f.with_removed(&rest, gone);
+                    assert_eq!(f.owners, assign(extents, &rest), "{name}: leave of {gone}");
+                    assert!(f.floor <= lowest_winner(&f.owners, &rest), "{name}: leave");
+                    let back = all.iter().copied().find(|c| c.index == gone).unwrap();
+                    f = f.with_added(&rest, back);
+                    assert_eq!(f.owners, assign(extents, &all), "{name}: return of {gone}");
+                }
+            }
+            // The floor is a real one, not -inf: later joins skip extents.
+            assert!(f.floor > 0.0, "{name}: floor {}", f.floor);
+        }
+        // How much a 40th equal candidate's join skips: the threshold is
+        // the `u` it needs to match the lowest of 20,000 winners among 39,
+        // which most of its `u`s are below.
+        let f = Floored::assign(extents, &cands(&n[..39], |_| 1));
+        let threshold = (-1.0 / f.floor).exp() * (1.0 - FLOOR_MARGIN);
+        let seed = fnv1a(n[39].1.as_bytes());
+        let skipped = (0..extents).filter(|&e| unit(seed, e) < threshold).count();
+        assert!(
+            skipped as f64 > 0.5 * extents as f64,
+            "only {skipped} of {extents} skipped"
+        );
     }
 }
