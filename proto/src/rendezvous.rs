@@ -78,7 +78,12 @@ pub fn splitmix64(mut z: u64) -> u64 {
 
 /// Score of the node with hash seed `node_seed` for `extent`.
 pub fn score(node_seed: u64, extent: u64, weight: u64) -> f64 {
-    let u = unit(node_seed, extent);
+    score_of_unit(unit(node_seed, extent), weight)
+}
+
+/// The score of a node of weight `weight` whose `u` (below) is `u`.
+#[inline]
+fn score_of_unit(u: f64, weight: u64) -> f64 {
     #[allow(clippy::cast_precision_loss)]
     let w = weight as f64;
     -w / u.ln()
@@ -308,11 +313,12 @@ impl Floored {
                 let e = e as u64;
                 match by_index.get(cur) {
                     Some(c) => {
-                        if unit(new.seed, e) < threshold {
+                        let u = unit(new.seed, e);
+                        if u < threshold {
                             // Below the floor, so below the owner's score.
                             return cur;
                         }
-                        let s_new = score(new.seed, e, new.weight);
+                        let s_new = score_of_unit(u, new.weight);
                         let s_cur = score(c.seed, e, c.weight);
                         if beats(new.index, s_new, (cur, s_cur)) {
                             floor = floor.min(s_new);
